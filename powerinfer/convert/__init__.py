@@ -1,0 +1,1 @@
+"""Converters: Hugging Face checkpoints and GGUF files to GGUF / PowerInfer GGUF."""

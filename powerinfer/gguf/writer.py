@@ -1,0 +1,79 @@
+"""Write GGUF and PowerInfer GGUF files with `gguf.GGUFWriter`, atomically."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+from powerinfer.errors import PowerInferError
+from powerinfer.gguf.reader import PWRI_MAGIC
+
+
+@dataclass(frozen=True)
+class TensorData:
+    """A tensor ready to write: plain arrays (F32, F16, I32) as they are, other types as uint8 blocks
+    [rows, bytes per row] from `gguf.quants.quantize`."""
+
+    name: str
+    data: np.ndarray
+    ggml_type: GGMLQuantizationType
+
+
+@contextmanager
+def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary path next to `path` that replaces it only if the block finishes."""
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        raise PowerInferError(f"output folder does not exist: {path.parent}")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _add_value(writer: GGUFWriter, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value) if 0 <= value < 2**32 else writer.add_int64(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, (list, tuple)):
+        writer.add_array(key, list(value))
+    else:
+        raise TypeError(f"cannot store {type(value).__name__} under {key}")
+
+
+def write_gguf(path: str | os.PathLike[str], architecture: str, metadata: dict[str, Any],
+               tensors: Iterable[TensorData], powerinfer: bool = False,
+               typed_metadata: dict[str, tuple[Any, GGUFValueType]] | None = None, progress: bool = False) -> None:
+    """Write a GGUF file (magic `PWRI` when `powerinfer`), replacing `path` only when complete."""
+    with atomic_output(path) as tmp:
+        writer = GGUFWriter(tmp, architecture)
+        for key, value in metadata.items():
+            _add_value(writer, key, value)
+        for key, (value, vtype) in (typed_metadata or {}).items():
+            writer.add_key_value(key, value, vtype)
+        for t in tensors:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.ggml_type if t.data.dtype == np.uint8 else None)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file(progress=progress)
+        writer.close()
+        if powerinfer:
+            with open(tmp, "r+b") as f:
+                f.write(PWRI_MAGIC.to_bytes(4, "little"))

@@ -1,0 +1,157 @@
+"""The Python API: `LLM` loads a GGUF model and generates text."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+import numpy as np
+import torch
+
+from powerinfer.errors import ContextOverflowError, PowerInferError
+from powerinfer.gguf.reader import open_gguf
+from powerinfer.hub import resolve_model
+from powerinfer.models import load_model
+from powerinfer.runtime.engine import Engine
+from powerinfer.runtime.sampling import SamplingParams
+from powerinfer.runtime.sequence import Completion, GenerationSequence
+from powerinfer.tokenizer import Tokenizer
+
+DEFAULT_N_CTX = 4096
+Prompt = str | Sequence[int]
+Messages = Sequence[dict[str, str]]
+
+
+class TextStream:
+    """Iterates over generated text pieces; `completion` holds the full result once exhausted."""
+
+    def __init__(self, pieces: Iterator[str], sequence: GenerationSequence):
+        self._pieces = pieces
+        self._sequence = sequence
+        self.completion: Completion | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        for piece in self._pieces:
+            if piece:
+                yield piece
+        self.completion = self._sequence.completion()
+
+
+class LLM:
+    """A GGUF model ready to generate.
+
+    `model` is a path to a GGUF or PowerInfer GGUF file, or None for the default model (fetched on
+    first use). `dtype="float32"` dequantizes all weights to float32: exact arithmetic for checking
+    against reference implementations, at several times the memory and a fraction of the speed.
+    """
+
+    def __init__(self, model: str | os.PathLike[str] | None = None, *, threads: int | None = None,
+                 n_ctx: int | None = None, n_batch: int = 512, dtype: Literal["auto", "float32"] = "auto"):
+        if dtype not in ("auto", "float32"):
+            raise PowerInferError(f"unknown dtype {dtype!r} (expected 'auto' or 'float32')")
+        if threads is not None:
+            if threads < 1:
+                raise PowerInferError("threads must be >= 1")
+            torch.set_num_threads(threads)
+        self.path = resolve_model(model)
+        started = time.perf_counter()
+        gguf = open_gguf(self.path)
+        self.tokenizer = Tokenizer.from_gguf(gguf)
+        train_ctx = int(gguf.get(f"{gguf.get('general.architecture')}.context_length", DEFAULT_N_CTX))
+        self.n_ctx = n_ctx or min(DEFAULT_N_CTX, train_ctx)
+        if self.n_ctx < 1:
+            raise PowerInferError("n_ctx must be >= 1")
+        self.model = load_model(gguf, self.n_ctx, float32=dtype == "float32")
+        self.config = self.model.config
+        self.file_size = gguf.file_size
+        self.n_params = sum(t.n_elements for t in gguf.tensors.values())
+        self.quant_label = gguf.dominant_type_name()
+        self.engine = Engine(self.model, self.n_ctx, n_batch=n_batch)
+        self.load_seconds = time.perf_counter() - started
+
+    # -- tokens -------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of `text`; a BOS token is prepended when `add_bos` and the model asks for one."""
+        return self.tokenizer.encode(text, add_bos=add_bos)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Next-token logits at every position: float32 [len(ids), n_vocab]."""
+        self._check_ids(ids)
+        return self.engine.all_logits(list(ids)).numpy()
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        bad = [i for i in ids if not 0 <= int(i) < self.config.n_vocab]
+        if bad:
+            raise PowerInferError(f"token id {bad[0]} is out of range (vocabulary of {self.config.n_vocab})")
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        self._check_ids(ids)
+        if not ids:
+            raise PowerInferError("empty prompt")
+        if len(ids) >= self.n_ctx:
+            raise ContextOverflowError(f"prompt of {len(ids)} tokens does not fit in the context of {self.n_ctx} tokens")
+        return ids
+
+    def _sequence(self, prompt: Prompt, max_tokens: int, stop: Sequence[str] | str | None,
+                  sampling: SamplingParams) -> GenerationSequence:
+        if max_tokens < 0:
+            raise PowerInferError("max_tokens must be >= 0")
+        ids = self._prompt_ids(prompt)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        return GenerationSequence(ids, self.tokenizer, sampling, max_tokens, stops, context_left=self.n_ctx - len(ids))
+
+    def _run(self, sequence: GenerationSequence, slot: int = 0) -> Iterator[str]:
+        timings = sequence.timings
+        started = time.perf_counter()
+        logits = self.engine.prefill(slot, sequence.prompt)
+        timings.prompt_seconds = time.perf_counter() - started
+        yield sequence.accept(logits)
+        while not sequence.finished:
+            started = time.perf_counter()
+            logits = self.engine.decode([(slot, sequence.last_token)])[0]
+            timings.decode_seconds += time.perf_counter() - started
+            timings.decode_steps += 1
+            yield sequence.accept(logits)
+
+    def complete(self, prompt: Prompt, max_tokens: int = 128, stop: Sequence[str] | str | None = None,
+                 **sampling) -> Completion:
+        """Generate a continuation and return it with token counts, finish reason and timings."""
+        sequence = self._sequence(prompt, max_tokens, stop, SamplingParams(**sampling))
+        for _ in self._run(sequence):
+            pass
+        return sequence.completion()
+
+    def generate(self, prompt: Prompt, max_tokens: int = 128, stop: Sequence[str] | str | None = None,
+                 **sampling) -> str:
+        """The generated text. Sampling keywords: temperature, top_k, top_p, min_p, repeat_penalty,
+        repeat_last_n, seed (see `SamplingParams`)."""
+        return self.complete(prompt, max_tokens, stop, **sampling).text
+
+    def generate_stream(self, prompt: Prompt, max_tokens: int = 128, stop: Sequence[str] | str | None = None,
+                        **sampling) -> TextStream:
+        """Like `generate`, but yields text pieces as they are produced."""
+        sequence = self._sequence(prompt, max_tokens, stop, SamplingParams(**sampling))
+        return TextStream(self._run(sequence), sequence)
+
+    def chat_prompt(self, messages: Messages) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template, ready for a reply."""
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        return self.tokenize(text, add_bos=True)
+
+    def chat(self, messages: Messages, max_tokens: int = 256, stop: Sequence[str] | str | None = None,
+             **sampling) -> str:
+        """The assistant's reply to `messages` ([{"role": ..., "content": ...}, ...])."""
+        return self.generate(self.chat_prompt(messages), max_tokens, stop, **sampling)
+
+    def chat_stream(self, messages: Messages, max_tokens: int = 256, stop: Sequence[str] | str | None = None,
+                    **sampling) -> TextStream:
+        return self.generate_stream(self.chat_prompt(messages), max_tokens, stop, **sampling)

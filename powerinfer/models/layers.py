@@ -1,0 +1,134 @@
+"""Building blocks shared by architectures: embedding, rotary embedding, attention, FFN."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from powerinfer.config import FFNActivation
+from powerinfer.gguf.reader import GGUFTensor
+from powerinfer.ops.linear import Linear, mapped_tensor
+from powerinfer.ops.quant import dequantize_rows
+from powerinfer.runtime.kv_cache import KVCache, SeqSpan
+
+
+class Embedding:
+    """Token embeddings read row by row from the mapped file, dequantized on lookup."""
+
+    def __init__(self, tensor: GGUFTensor):
+        self.rows = mapped_tensor(tensor.rows_as_bytes())
+        self.ggml_type = tensor.ggml_type
+        self.dim = tensor.shape[1]
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        return dequantize_rows(self.rows[tokens], self.ggml_type, self.dim)
+
+
+class RotaryEmbedding:
+    """RoPE as complex rotations, precomputed for every position of the context.
+
+    `interleaved` rotates adjacent pairs (GGML's normal mode, used for llama: the converter
+    permutes Q and K rows so this equals Hugging Face's half-split rotation); otherwise the two
+    halves of the head are paired (GGML's NeoX mode).
+    """
+
+    def __init__(self, head_dim: int, n_ctx: int, base: float, scale: float = 1.0,
+                 freq_factors: torch.Tensor | None = None, interleaved: bool = True):
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.double()
+        angles = torch.outer(torch.arange(n_ctx, dtype=torch.float64) / scale, inv_freq)
+        # [n_ctx, 1, head_dim / 2]: broadcasts over heads
+        self.rotations = torch.polar(torch.ones_like(angles), angles).to(torch.complex64).unsqueeze(1)
+        self.interleaved = interleaved
+        self.head_dim = head_dim
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor | slice) -> torch.Tensor:
+        """x: [tokens, heads, head_dim] float32 -> rotated copy."""
+        rot = self.rotations[positions]
+        if self.interleaved:
+            return torch.view_as_real(torch.view_as_complex(x.view(*x.shape[:-1], -1, 2)) * rot).view(x.shape)
+        half = self.head_dim // 2
+        pairs = torch.complex(x[..., :half], x[..., half:]) * rot
+        return torch.cat([pairs.real, pairs.imag], dim=-1)
+
+
+def _positions(spans: Sequence[SeqSpan]) -> torch.Tensor | slice:
+    if len(spans) == 1:
+        return slice(spans[0].start, spans[0].end)
+    return torch.cat([torch.arange(s.start, s.end) for s in spans])
+
+
+class Attention:
+    """Multi-head attention with grouped KV heads and a KV cache.
+
+    Written with few torch calls: at batch 1 the per-call overhead, not arithmetic, is what the
+    non-matmul part of a decode step costs.
+    """
+
+    def __init__(self, layer: int, qkv: Linear, output: Linear, n_head: int, n_head_kv: int, head_dim: int,
+                 rope: RotaryEmbedding):
+        self.layer, self.qkv, self.output, self.rope = layer, qkv, output, rope
+        self.n_head, self.n_head_kv, self.head_dim = n_head, n_head_kv, head_dim
+        self.qk_dim = (n_head + n_head_kv) * head_dim
+
+    def __call__(self, h: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> torch.Tensor:
+        n = h.shape[0]
+        qkv = self.qkv(h)
+        # Q and K heads are adjacent in the projection, so one rotation covers both.
+        qk = self.rope(qkv[:, : self.qk_dim].float().view(n, self.n_head + self.n_head_kv, self.head_dim), _positions(spans))
+        v = qkv[:, self.qk_dim :].view(n, self.n_head_kv, self.head_dim)
+        if len(spans) == 1:
+            return self.output(self._attend(qk, v, spans[0], cache))
+        parts, offset = [], 0
+        for span in spans:
+            parts.append(self._attend(qk[offset : offset + span.length], v[offset : offset + span.length], span, cache))
+            offset += span.length
+        return self.output(torch.cat(parts))
+
+    def _attend(self, qk: torch.Tensor, v: torch.Tensor, span: SeqSpan, cache: KVCache) -> torch.Tensor:
+        """Store this span's keys/values and attend its queries over the slot. qk: [n, q+kv heads, hd]."""
+        n, h = span.length, self.n_head
+        keys, values = cache.store(self.layer, span, qk[:, h:].transpose(0, 1), v.transpose(0, 1))
+        q = qk[:, :h].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
+        if n == 1:
+            mask, causal = None, False
+        elif span.start == 0:
+            mask, causal = None, True
+        else:  # new tokens after cached ones: token i sees keys up to start + i
+            mask = torch.arange(span.end)[None, :] <= (span.start + torch.arange(n))[:, None]
+            causal = False
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        return out.view(1, h * self.head_dim) if n == 1 else out[0].transpose(0, 1).reshape(n, h * self.head_dim)
+
+
+class DenseFFN:
+    """The feed-forward block computed for every neuron."""
+
+    def __init__(self, up: Linear, down: Linear, activation: FFNActivation):
+        # `up` holds [gate; up] stacked for gated activations, `up` alone otherwise.
+        self.up, self.down, self.activation = up, down, activation
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(activate(self.up(h), self.activation))
+
+    @property
+    def nbytes(self) -> int:
+        return self.up.nbytes + self.down.nbytes
+
+
+def activate(up_out: torch.Tensor, activation: FFNActivation) -> torch.Tensor:
+    """Neuron activations from the up-projection output ([gate, up] halves when gated)."""
+    if not activation.is_gated:
+        return F.relu(up_out) if activation == FFNActivation.RELU else F.gelu(up_out, approximate="tanh")
+    half = up_out.shape[-1] // 2
+    gate, up = up_out[:, :half], up_out[:, half:]
+    if activation == FFNActivation.SILU_GATED:
+        return F.silu(gate) * up
+    if activation == FFNActivation.RELU_GATED:
+        return F.relu(gate) * up
+    if activation == FFNActivation.DRELU:
+        return F.relu(gate) * F.relu(up)
+    return F.gelu(gate, approximate="tanh") * up

@@ -1,0 +1,76 @@
+"""The llama family: Llama 1/2/3, Mistral, SmolLM2, Qwen-style dense llamas, ReLU-Llama, Bamboo."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from powerinfer.config import ModelConfig
+from powerinfer.errors import UnsupportedModelError
+from powerinfer.gguf.reader import GGUFFile
+from powerinfer.models.base import CausalLM
+from powerinfer.models.layers import Attention, DenseFFN, Embedding, RotaryEmbedding
+from powerinfer.ops.linear import build_linear, mapped_tensor
+from powerinfer.runtime.kv_cache import KVCache, SeqSpan
+
+
+def _norm_weight(gguf: GGUFFile, name: str) -> torch.Tensor:
+    return mapped_tensor(gguf.tensor(name).data).float().clone()
+
+
+class LlamaBlock:
+    def __init__(self, attn_norm: torch.Tensor, attention: Attention, ffn_norm: torch.Tensor, ffn, eps: float):
+        self.attn_norm, self.attention, self.ffn_norm, self.ffn, self.eps = attn_norm, attention, ffn_norm, ffn, eps
+
+    def __call__(self, x: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> torch.Tensor:
+        shape = (x.shape[-1],)
+        x = x + self.attention(F.rms_norm(x, shape, self.attn_norm, self.eps), spans, cache)
+        return x + self.ffn(F.rms_norm(x, shape, self.ffn_norm, self.eps))
+
+
+class LlamaModel(CausalLM):
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, n_ctx: int, float32: bool = False):
+        self.config = config
+        if config.rope_dim != config.head_dim:
+            raise UnsupportedModelError(f"{gguf.path}: partial rotary embedding is not supported for llama")
+        freq_factors = gguf.tensors.get("rope_freqs.weight")
+        rope = RotaryEmbedding(
+            config.head_dim, n_ctx, config.rope_freq_base, config.rope_scale,
+            freq_factors=mapped_tensor(freq_factors.data).float() if freq_factors is not None else None,
+        )
+        linear = lambda *names: build_linear([gguf.tensor(n) for n in names], float32)  # noqa: E731
+        self.embedding = Embedding(gguf.tensor("token_embd.weight"))
+        self.blocks = [self._block(gguf, config, i, rope, linear) for i in range(config.n_layers)]
+        self.output_norm = _norm_weight(gguf, "output_norm.weight")
+        self.output = linear("output.weight" if "output.weight" in gguf.tensors else "token_embd.weight")
+
+    @staticmethod
+    def _block(gguf: GGUFFile, config: ModelConfig, i: int, rope: RotaryEmbedding, linear) -> LlamaBlock:
+        t = lambda name: f"blk.{i}.{name}.weight"  # noqa: E731
+        attention = Attention(
+            i, linear(t("attn_q"), t("attn_k"), t("attn_v")), linear(t("attn_output")),
+            config.n_head, config.n_head_kv, config.head_dim, rope,
+        )
+        up = [t("ffn_gate"), t("ffn_up")] if config.activation.is_gated else [t("ffn_up")]
+        ffn = DenseFFN(linear(*up), linear(t("ffn_down")), config.activation)
+        return LlamaBlock(_norm_weight(gguf, f"blk.{i}.attn_norm.weight"), attention,
+                          _norm_weight(gguf, f"blk.{i}.ffn_norm.weight"), ffn, config.norm_eps)
+
+    def forward(self, tokens: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache,
+                which: Literal["all", "last"] = "last") -> torch.Tensor:
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = block(x, spans, cache)
+        if which == "last" and x.shape[0] > len(spans):
+            ends = torch.cumsum(torch.tensor([s.length for s in spans]), 0)
+            x = x[ends - 1]
+        x = F.rms_norm(x, (x.shape[-1],), self.output_norm, self.config.norm_eps)
+        return self.output(x).float()
+
+    @property
+    def weight_bytes_per_token(self) -> int:
+        per_block = sum(b.attention.qkv.nbytes + b.attention.output.nbytes + b.ffn.nbytes for b in self.blocks)
+        return per_block + self.output.nbytes

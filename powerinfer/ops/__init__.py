@@ -1,0 +1,1 @@
+"""Weight containers and kernels: dense and quantized linear layers, dequantization."""

@@ -1,0 +1,192 @@
+"""Linear layers over GGUF weights, kept compact.
+
+Q4_0 and Q4_1 map exactly onto torch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`: 4-bit
+values, one scale and one offset per 32 inputs), which runs at the memory-bandwidth roofline with
+bfloat16 activations. Q8_0 maps onto the same kernel exactly too: each int8 value is split into
+a high and a low nibble (q = 16*hi + lo), two int4 matrices side by side that read the input
+twice. Float weights use torch's dense kernels.
+"""
+
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from functools import cache
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from powerinfer.gguf.reader import GGUFTensor
+from powerinfer.ops.quant import (
+    EXPANDED_TYPES,
+    FLOAT_TYPES,
+    QK,
+    T,
+    dequantize_rows,
+    split_q4_blocks,
+    split_q8_blocks,
+)
+
+_int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+PACK_BLOCK_N = 64  # rows per block in the AVX-512 packed layout; we pad outputs to a multiple
+
+
+def mapped_tensor(array: np.ndarray) -> torch.Tensor:
+    """A torch view of a read-only memory-mapped array (we never write through it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
+        return torch.from_numpy(array)
+
+
+class Linear(ABC):
+    """y = x @ W.T for x of shape [tokens, in_features]; y may come back in a low-precision dtype."""
+
+    in_features: int
+    out_features: int
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of weight data read per call (for bandwidth figures)."""
+
+
+class DenseLinear(Linear):
+    """A float32, float16 or bfloat16 weight matrix."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight.contiguous()
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.dtype == torch.float16 and x.shape[0] > 1:
+            # torch's float16 CPU matmul is fast only for a single row.
+            return F.linear(x.float(), w.float())
+        return F.linear(x.to(w.dtype), w)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+
+def _pack_nibbles_reference(nibbles: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.to(torch.int32), 1)
+
+
+def _pack_nibbles_avx512(nibbles: torch.Tensor) -> torch.Tensor:
+    # Layout of torch's AVX-512 packing: per block of 64 rows and per input k, 32 bytes whose low
+    # nibbles are rows 0..31 and high nibbles rows 32..63. Built with byte ops, no int32 copy.
+    n, k = nibbles.shape
+    halves = nibbles.view(n // PACK_BLOCK_N, 2, PACK_BLOCK_N // 2, k)
+    packed = (halves[:, 0] | (halves[:, 1] << 4)).transpose(1, 2).contiguous()
+    return packed.view(n, k // 2)
+
+
+@cache
+def _fast_packing_matches() -> bool:
+    """Whether our byte-op packing equals torch's on this CPU (its layout depends on the ISA)."""
+    probe = torch.randint(0, 16, (2 * PACK_BLOCK_N, 2 * QK), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    return torch.equal(_pack_nibbles_avx512(probe), _pack_nibbles_reference(probe))
+
+
+def pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [N, K] (N a multiple of 64) -> torch's int4 packed weight."""
+    return _pack_nibbles_avx512(nibbles) if _fast_packing_matches() else _pack_nibbles_reference(nibbles)
+
+
+class Int4Linear(Linear):
+    """Weights `scale * nibble + offset`, one scale and offset per 32 inputs, on torch's int4 kernel.
+
+    `input_repeats` > 1 means the weight matrix is several int4 matrices side by side along the
+    input axis that all read the same input (how Q8_0 is represented).
+    """
+
+    def __init__(self, nibbles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, input_repeats: int = 1):
+        n, k = nibbles.shape
+        self.out_features, self.in_features = n, k // input_repeats
+        self.input_repeats = input_repeats
+        padded = -n % PACK_BLOCK_N
+        if padded:
+            nibbles = F.pad(nibbles, (0, 0, 0, padded))
+            scale, offset = F.pad(scale, (0, 0, 0, padded)), F.pad(offset, (0, 0, 0, padded))
+        self.packed = pack_nibbles(nibbles.contiguous())
+        # The kernel computes (nibble - 8) * scale + zero.
+        zero = offset + 8.0 * scale
+        self.scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self._padded = padded > 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16)
+        if self.input_repeats > 1:
+            x = x.repeat(1, self.input_repeats)
+        y = _int4_mm(x, self.packed, QK, self.scale_zero)
+        return y[:, : self.out_features] if self._padded else y
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale_zero.nbytes
+
+
+class ConcatLinear(Linear):
+    """Several linears over the same input whose outputs are concatenated (mixed weight types)."""
+
+    def __init__(self, parts: Sequence[Linear]):
+        self.parts = list(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        outputs = [part(x) for part in self.parts]
+        dtype = torch.promote_types(*(o.dtype for o in outputs)) if len({o.dtype for o in outputs}) > 1 else outputs[0].dtype
+        return torch.cat([o.to(dtype) for o in outputs], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def _q4_parts(tensor: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return split_q4_blocks(mapped_tensor(tensor.rows_as_bytes()), tensor.ggml_type)
+
+
+def _q8_parts(tensor: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    values, d = split_q8_blocks(mapped_tensor(tensor.rows_as_bytes()))
+    rows = values.shape[0]
+    v = values.view(rows, -1, QK).to(torch.int16)
+    hi, lo = (v >> 4) + 8, v & 0x0F  # q = 16 * (hi - 8) + lo, both in 0..15
+    nibbles = torch.cat([hi.reshape(rows, -1), lo.reshape(rows, -1)], dim=1).to(torch.uint8)
+    scale = torch.cat([16.0 * d, d], dim=1)
+    offset = torch.cat([-128.0 * d, torch.zeros_like(d)], dim=1)
+    return nibbles, scale, offset
+
+
+def _dense_weight(tensor: GGUFTensor) -> torch.Tensor:
+    if tensor.ggml_type in FLOAT_TYPES:
+        return mapped_tensor(tensor.data).reshape(tensor.shape).clone()
+    return dequantize_rows(mapped_tensor(tensor.rows_as_bytes()), tensor.ggml_type, tensor.shape[1]).to(torch.bfloat16)
+
+
+def build_linear(tensors: Sequence[GGUFTensor], float32: bool = False) -> Linear:
+    """One linear layer from one or more GGUF weight tensors [out, in] that share their input.
+
+    `float32` dequantizes everything to float32: the exact reference mode (several times the memory).
+    """
+    if float32:
+        return DenseLinear(torch.cat([
+            dequantize_rows(mapped_tensor(t.rows_as_bytes()), t.ggml_type, t.shape[1]) for t in tensors
+        ]))
+    types = {t.ggml_type for t in tensors}
+    if types <= {T.Q4_0, T.Q4_1}:
+        nibbles, scale, offset = zip(*(_q4_parts(t) for t in tensors))
+        return Int4Linear(torch.cat(nibbles), torch.cat(scale), torch.cat(offset))
+    if types == {T.Q8_0}:
+        nibbles, scale, offset = zip(*(_q8_parts(t) for t in tensors))
+        return Int4Linear(torch.cat(nibbles), torch.cat(scale), torch.cat(offset), input_repeats=2)
+    if len(types) == 1 and (types <= FLOAT_TYPES.keys() or types <= EXPANDED_TYPES):
+        return DenseLinear(torch.cat([_dense_weight(t) for t in tensors]))
+    return ConcatLinear([build_linear([t]) for t in tensors])

@@ -1,0 +1,1 @@
+"""Online machinery: KV cache, sampling, generation, scheduling."""

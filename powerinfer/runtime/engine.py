@@ -1,0 +1,79 @@
+"""Runs a model over KV-cache slots: prefill with prefix reuse, single and batched decode steps."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from powerinfer.errors import ContextOverflowError
+from powerinfer.models.base import CausalLM
+from powerinfer.runtime.kv_cache import SeqSpan
+
+
+class Engine:
+    """A model plus its KV cache. Each slot remembers which tokens its cache holds, so a prompt
+    that extends an earlier one (a chat turn, a retry) only computes the new tokens."""
+
+    def __init__(self, model: CausalLM, n_ctx: int, n_slots: int = 1, n_batch: int = 512):
+        self.model, self.n_ctx, self.n_batch = model, n_ctx, n_batch
+        self.cache = model.new_cache(n_ctx, n_slots)
+        self.slot_tokens: list[list[int]] = [[] for _ in range(n_slots)]
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.slot_tokens)
+
+    def _check_fits(self, n_tokens: int) -> None:
+        if n_tokens > self.n_ctx:
+            raise ContextOverflowError(f"prompt of {n_tokens} tokens does not fit in the context of {self.n_ctx} tokens")
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, ids: Sequence[int]) -> torch.Tensor:
+        """Put `ids` in `slot` and return the logits after the last one ([n_vocab], float32)."""
+        if not ids:
+            raise ContextOverflowError("empty prompt: nothing to evaluate")
+        self._check_fits(len(ids))
+        cached = self.slot_tokens[slot]
+        reuse = 0
+        for a, b in zip(cached, ids[:-1]):  # the last prompt token is always evaluated, for its logits
+            if a != b:
+                break
+            reuse += 1
+        self.slot_tokens[slot] = list(ids[:reuse])
+        logits = None
+        for start in range(reuse, len(ids), self.n_batch):
+            chunk = list(ids[start : start + self.n_batch])
+            logits = self.model.forward(torch.tensor(chunk), [SeqSpan(slot, start, len(chunk))], self.cache)[0]
+            self.slot_tokens[slot].extend(chunk)
+        return logits
+
+    @torch.inference_mode()
+    def decode(self, steps: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """Append one token to each (slot, token) and return their next-token logits [len(steps), n_vocab]."""
+        spans = []
+        for slot, token in steps:
+            self._check_fits(len(self.slot_tokens[slot]) + 1)
+            spans.append(SeqSpan(slot, len(self.slot_tokens[slot]), 1))
+        logits = self.model.forward(torch.tensor([t for _, t in steps]), spans, self.cache)
+        for slot, token in steps:
+            self.slot_tokens[slot].append(token)
+        return logits
+
+    @torch.inference_mode()
+    def all_logits(self, ids: Sequence[int], slot: int = 0) -> torch.Tensor:
+        """Logits at every position of `ids`, evaluated from an empty slot ([len(ids), n_vocab])."""
+        self._check_fits(len(ids))
+        self.slot_tokens[slot] = []
+        rows = []
+        for start in range(0, len(ids), self.n_batch):
+            chunk = list(ids[start : start + self.n_batch])
+            rows.append(self.model.forward(torch.tensor(chunk), [SeqSpan(slot, start, len(chunk))], self.cache, "all"))
+            self.slot_tokens[slot].extend(chunk)
+        return torch.cat(rows)
+
+    def release(self, slot: int) -> None:
+        self.slot_tokens[slot] = []
+
+    def tokens_in(self, slot: int) -> int:
+        return len(self.slot_tokens[slot])

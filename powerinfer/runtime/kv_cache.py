@@ -1,0 +1,42 @@
+"""A preallocated key/value cache with one slot per concurrent sequence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """Tokens of one sequence in a forward pass: they go to `slot` at positions start.."""
+
+    slot: int
+    start: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class KVCache:
+    """Keys and values per layer as [slots, kv_heads, n_ctx, head_dim], allocated once."""
+
+    def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, n_ctx: int, head_dim: int, dtype=torch.float32):
+        shape = (n_slots, n_kv_heads, n_ctx, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+        self.n_slots, self.n_ctx = n_slots, n_ctx
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
+
+    def store(self, layer: int, span: SeqSpan, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write keys/values [kv_heads, length, head_dim] of `span`; return the slot's [1, kv_heads, end, head_dim] views."""
+        slot, start, end = span.slot, span.start, span.end
+        k_cache, v_cache = self.keys[layer], self.values[layer]
+        k_cache[slot, :, start:end] = keys
+        v_cache[slot, :, start:end] = values
+        return k_cache[slot : slot + 1, :, :end], v_cache[slot : slot + 1, :, :end]

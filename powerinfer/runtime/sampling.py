@@ -1,0 +1,83 @@
+"""Token samplers, in llama.cpp's order: repetition penalty, top-k, top-p, min-p, temperature."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from powerinfer.errors import PowerInferError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. `temperature == 0` is greedy; 0 disables top-k / min-p."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repeat_penalty > 0, "repeat_penalty must be > 0"),
+            (self.repeat_last_n >= 0, "repeat_last_n must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise PowerInferError(f"bad sampling parameter: {message}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Draws tokens from logits; seeded samplers are reproducible."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else random.randrange(2**63))
+
+    def __call__(self, logits: torch.Tensor, history: Sequence[int]) -> int:
+        p = self.params
+        if p.repeat_penalty != 1.0 and p.repeat_last_n > 0 and history:
+            logits = apply_repeat_penalty(logits, history[-p.repeat_last_n :], p.repeat_penalty)
+        if p.greedy:
+            return int(torch.argmax(logits))
+        candidates, ids = filter_candidates(logits, p.top_k, p.top_p, p.min_p)
+        probs = torch.softmax(candidates / p.temperature, dim=-1)
+        return int(ids[torch.multinomial(probs, 1, generator=self.generator)])
+
+
+def apply_repeat_penalty(logits: torch.Tensor, recent: Sequence[int], penalty: float) -> torch.Tensor:
+    """Make recently seen tokens less likely: positive logits divided, negative ones multiplied."""
+    ids = torch.tensor(sorted(set(recent)), dtype=torch.long)
+    seen = logits[ids]
+    logits = logits.clone()
+    logits[ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return logits
+
+
+def filter_candidates(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits kept by top-k, top-p (nucleus) and min-p, sorted descending, with their token ids."""
+    k = logits.numel() if top_k <= 0 else min(top_k, logits.numel())
+    values, ids = torch.topk(logits, k)  # sorted descending
+    probs = torch.softmax(values, dim=-1)
+    keep = k
+    if top_p < 1.0:
+        # Smallest prefix whose mass reaches top_p (always at least one token).
+        cumulative = torch.cumsum(probs, dim=-1)
+        keep = min(keep, int(torch.searchsorted(cumulative, torch.tensor([top_p]))[0]) + 1)
+    if min_p > 0.0:
+        keep = min(keep, max(1, int((probs >= min_p * probs[0]).sum())))
+    return values[:keep], ids[:keep]

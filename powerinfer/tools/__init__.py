@@ -1,0 +1,1 @@
+"""Offline tools: benchmarking, perplexity, quantization, inspection."""

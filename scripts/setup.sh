@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Creates .venv and installs powerinfer with everything its commands and tests use.
+# torch is pinned to the CPU build first: an unpinned torch would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+.venv/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[serve,plot,place,test]"

@@ -1,0 +1,109 @@
+"""Model forward passes against transformers on tiny random llama models (ReLU and SiLU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from powerinfer.gguf import open_gguf
+from powerinfer.models import load_model
+from powerinfer.runtime.engine import Engine
+
+N_CTX = 256
+
+
+def reference_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def gguf_reference(path, hf_model) -> torch.nn.Module:
+    """transformers' own reading of a GGUF file (it dequantizes with the gguf package).
+
+    GGUF has no standard key for the FFN activation, so the original config is passed along: without
+    it transformers would assume SiLU for a ReLU llama.
+    """
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=hf_model.config,
+                                                dtype=torch.float32).eval()
+
+
+def engine_for(path, float32: bool = False, n_slots: int = 1, n_batch: int = 512) -> Engine:
+    return Engine(load_model(open_gguf(path), N_CTX, float32=float32), N_CTX, n_slots=n_slots, n_batch=n_batch)
+
+
+@pytest.fixture(scope="module")
+def ids() -> list[int]:
+    return torch.randint(0, 49152, (48,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+@pytest.mark.parametrize("outtype", ["f32", "f16"])
+def test_float_gguf_logits_equal_transformers(tiny_llama, ids, outtype):
+    hf_model, _, ggufs = tiny_llama
+    ours = engine_for(ggufs[outtype]).all_logits(ids)
+    expected = reference_logits(hf_model, ids)
+    tolerance = 1e-4 if outtype == "f32" else 0.02  # f16 weights round the checkpoint
+    assert (ours - expected).abs().max().item() < tolerance * expected.abs().max().item()
+    assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_0", "q4_1"])
+def test_quantized_gguf_matches_transformers_reading_same_file(tiny_llama, ids, outtype):
+    hf_model, _, ggufs = tiny_llama
+    expected = reference_logits(gguf_reference(ggufs[outtype], hf_model), ids)
+    scale = expected.abs().max().item()
+    exact = engine_for(ggufs[outtype], float32=True).all_logits(ids)
+    assert (exact - expected).abs().max().item() < 1e-4 * scale
+    assert torch.equal(exact.argmax(-1), expected.argmax(-1))
+    # The fast path rounds activations to bfloat16 (llama.cpp rounds them to 8 bits).
+    fast = engine_for(ggufs[outtype]).all_logits(ids)
+    assert (fast - expected).abs().max().item() < 0.05 * scale
+
+
+def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    logits = engine.prefill(0, prompt)
+    out = []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = engine.decode([(0, out[-1])])[0]
+    return out
+
+
+def test_greedy_continuation_equals_transformers(tiny_llama, ids):
+    hf_model, _, ggufs = tiny_llama
+    with torch.inference_mode():
+        expected = hf_model.generate(torch.tensor([ids[:8]]), max_new_tokens=32, do_sample=False)[0, 8:].tolist()
+    assert greedy(engine_for(ggufs["f32"]), ids[:8], 32) == expected
+
+
+def test_chunked_prefill_and_decode_agree_with_one_pass(tiny_llama, ids):
+    _, _, ggufs = tiny_llama
+    whole = engine_for(ggufs["f32"]).all_logits(ids)
+    chunked = engine_for(ggufs["f32"], n_batch=7).all_logits(ids)
+    assert torch.allclose(chunked, whole, atol=1e-4)
+    stepwise = engine_for(ggufs["f32"])
+    rows = [stepwise.prefill(0, ids[:1])] + [stepwise.decode([(0, t)])[0] for t in ids[1:]]
+    assert torch.allclose(torch.stack(rows), whole, atol=1e-4)
+
+
+def test_prefix_reuse_gives_same_logits(tiny_llama, ids):
+    _, _, ggufs = tiny_llama
+    engine = engine_for(ggufs["f32"])
+    engine.prefill(0, ids[:30])
+    reused = engine.prefill(0, ids[:20] + ids[25:40])  # shares 20 tokens with what the slot holds
+    fresh = engine_for(ggufs["f32"]).prefill(0, ids[:20] + ids[25:40])
+    assert torch.allclose(reused, fresh, atol=1e-4)
+
+
+def test_batched_decode_equals_separate_sequences(tiny_llama, ids):
+    _, _, ggufs = tiny_llama
+    prompts = [ids[:5], ids[10:22], ids[30:33]]
+    batched = engine_for(ggufs["q4_0"], n_slots=3)
+    for slot, p in enumerate(prompts):
+        batched.prefill(slot, p)
+    together = batched.decode([(slot, ids[40 + slot]) for slot in range(3)])
+    for slot, p in enumerate(prompts):
+        alone = engine_for(ggufs["q4_0"])
+        alone.prefill(0, p)
+        assert torch.allclose(together[slot], alone.decode([(0, ids[40 + slot])])[0], atol=1e-3)

@@ -1,0 +1,92 @@
+"""Dequantization and linear kernels against the gguf package's reference implementation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from powerinfer.gguf.reader import GGUFTensor
+from powerinfer.ops.linear import (
+    ConcatLinear,
+    DenseLinear,
+    Int4Linear,
+    _pack_nibbles_avx512,
+    _pack_nibbles_reference,
+    build_linear,
+    mapped_tensor,
+)
+from powerinfer.ops.quant import dequantize_rows
+
+
+def random_matrix(rows: int, cols: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+
+
+def encoded(array: np.ndarray, ggml_type: T) -> np.ndarray:
+    if ggml_type == T.F32:
+        return array
+    if ggml_type == T.F16:
+        return array.astype(np.float16)
+    return quants.quantize(array, ggml_type)
+
+
+@pytest.mark.parametrize("ggml_type", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1])
+def test_dequantize_rows_equals_gguf_quants(ggml_type):
+    array = random_matrix(37, 256, seed=int(ggml_type))
+    raw = encoded(array, ggml_type)
+    expected = quants.dequantize(raw, ggml_type).astype(np.float32)
+    ours = dequantize_rows(mapped_tensor(raw.view(np.uint8).reshape(37, -1)), ggml_type, 256)
+    np.testing.assert_array_equal(ours.numpy(), expected)
+
+
+def test_fast_int4_packing_equals_torch_packing():
+    nibbles = torch.randint(0, 16, (192, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(_pack_nibbles_avx512(nibbles), _pack_nibbles_reference(nibbles))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    ggml_type=st.sampled_from([T.Q4_0, T.Q4_1, T.Q8_0, T.F32, T.F16]),
+    rows=st.integers(1, 150),
+    blocks=st.integers(1, 6),
+    tokens=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_matches_dequantized_reference(ggml_type, rows, blocks, tokens, seed):
+    cols = 32 * blocks
+    raw = encoded(random_matrix(rows, cols, seed), ggml_type)
+    weight = torch.from_numpy(quants.dequantize(raw, ggml_type).astype(np.float32))
+    layer = build_linear([GGUFTensor("w", ggml_type, (rows, cols), raw)])
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(seed))
+    expected = x @ weight.T
+    got = layer(x).float()
+    assert got.shape == (tokens, rows)
+    if ggml_type in (T.F32, T.F16):
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+    else:
+        # bfloat16 activations, scales and outputs: about 3 significant digits.
+        assert isinstance(layer, Int4Linear)
+        assert (got - expected).abs().max() <= 0.02 * expected.abs().max() + 1e-3
+
+
+def test_fused_linear_of_mixed_types_concatenates_outputs():
+    a, b = random_matrix(64, 64, 1), random_matrix(40, 64, 2)
+    parts = [GGUFTensor("a", T.Q4_0, (64, 64), encoded(a, T.Q4_0)), GGUFTensor("b", T.F32, (40, 64), b)]
+    layer = build_linear(parts)
+    assert isinstance(layer, ConcatLinear) and layer.out_features == 104
+    x = torch.randn(3, 64)
+    expected = torch.cat([x @ torch.from_numpy(quants.dequantize(encoded(a, T.Q4_0), T.Q4_0)).T, x @ torch.from_numpy(b).T], -1)
+    assert (layer(x).float() - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+def test_float32_mode_is_exact():
+    raw = encoded(random_matrix(70, 96, 5), T.Q4_1)
+    layer = build_linear([GGUFTensor("w", T.Q4_1, (70, 96), raw)], float32=True)
+    assert isinstance(layer, DenseLinear) and layer.weight.dtype == torch.float32
+    x = torch.randn(2, 96)
+    torch.testing.assert_close(layer(x), x @ torch.from_numpy(quants.dequantize(raw, T.Q4_1)).T)
