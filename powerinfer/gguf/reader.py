@@ -9,7 +9,6 @@ from __future__ import annotations
 import mmap
 import os
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +70,19 @@ class GGUFTensor:
 
 
 class GGUFFile:
-    """A GGUF or PowerInfer GGUF file, its tensors mapped rather than read."""
+    """A GGUF or PowerInfer GGUF file: metadata as Python values, tensors mapped rather than read.
 
-    def __init__(self, path: Path, reader: GGUFReader, magic: str):
+    The reader's parsed fields (one numpy object per vocabulary string: tens of MB) are decoded
+    once and dropped; the mapping lives on through the tensor views.
+    """
+
+    def __init__(self, path: Path, reader: _MagicTolerantReader, magic: str):
         self.path = path
         self.magic = magic
-        self._reader = reader
+        self._mapping = reader.mapping
+        self.metadata: dict[str, Any] = {
+            name: _plain(field.contents()) for name, field in reader.fields.items() if not name.startswith("GGUF.")
+        }
         self.tensors: dict[str, GGUFTensor] = {
             t.name: GGUFTensor(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), t.data)
             for t in reader.tensors
@@ -86,23 +92,8 @@ class GGUFFile:
     def is_powerinfer(self) -> bool:
         return self.magic == "PWRI"
 
-    @cached_property
-    def metadata(self) -> dict[str, Any]:
-        """Every key/value pair, decoded (strings as str, arrays as lists)."""
-        values: dict[str, Any] = {}
-        for name, field in self._reader.fields.items():
-            if name.startswith("GGUF."):
-                continue
-            value = field.contents()
-            values[name] = value.item() if isinstance(value, np.generic) else value
-        return values
-
     def get(self, key: str, default: Any = None) -> Any:
-        field = self._reader.fields.get(key)
-        if field is None:
-            return default
-        value = field.contents()
-        return value.item() if isinstance(value, np.generic) else value
+        return self.metadata.get(key, default)
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -132,9 +123,13 @@ class GGUFFile:
 
         Called once weights have been repacked: the mapping stays valid and pages fault back on use.
         """
-        mapping = getattr(self._reader.mapping, "_mmap", None)
+        mapping = getattr(self._mapping, "_mmap", None)
         if mapping is not None and hasattr(mapping, "madvise"):
             mapping.madvise(mmap.MADV_DONTNEED)
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:

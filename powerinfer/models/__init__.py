@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 from powerinfer.config import LLAMA_FAMILY, ModelConfig
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
@@ -26,4 +28,13 @@ def load_model(gguf: GGUFFile, n_ctx: int, float32: bool = False) -> CausalLM:
     else:  # pragma: no cover - from_gguf already rejects these
         raise UnsupportedModelError(f"unsupported architecture {config.architecture}")
     gguf.release_pages()
+    release_freed_memory()
     return model
+
+
+def release_freed_memory() -> None:
+    """Give the heap freed by weight repacking back to the OS (glibc keeps large freed blocks)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

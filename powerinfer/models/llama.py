@@ -6,29 +6,27 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from powerinfer.config import ModelConfig
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.base import CausalLM
-from powerinfer.models.layers import Attention, DenseFFN, Embedding, RotaryEmbedding
+from powerinfer.models.layers import Attention, DenseFFN, Embedding, RMSNorm, RotaryEmbedding
 from powerinfer.ops.linear import build_linear, mapped_tensor
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
 
 
-def _norm_weight(gguf: GGUFFile, name: str) -> torch.Tensor:
-    return mapped_tensor(gguf.tensor(name).data).float().clone()
+def _norm(gguf: GGUFFile, name: str, eps: float) -> RMSNorm:
+    return RMSNorm(mapped_tensor(gguf.tensor(name).data), eps)
 
 
 class LlamaBlock:
-    def __init__(self, attn_norm: torch.Tensor, attention: Attention, ffn_norm: torch.Tensor, ffn, eps: float):
-        self.attn_norm, self.attention, self.ffn_norm, self.ffn, self.eps = attn_norm, attention, ffn_norm, ffn, eps
+    def __init__(self, attn_norm: RMSNorm, attention: Attention, ffn_norm: RMSNorm, ffn):
+        self.attn_norm, self.attention, self.ffn_norm, self.ffn = attn_norm, attention, ffn_norm, ffn
 
     def __call__(self, x: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> torch.Tensor:
-        shape = (x.shape[-1],)
-        x = x + self.attention(F.rms_norm(x, shape, self.attn_norm, self.eps), spans, cache)
-        return x + self.ffn(F.rms_norm(x, shape, self.ffn_norm, self.eps))
+        x = x + self.attention(self.attn_norm(x), spans, cache)
+        return x.add_(self.ffn(self.ffn_norm(x)))
 
 
 class LlamaModel(CausalLM):
@@ -44,7 +42,7 @@ class LlamaModel(CausalLM):
         linear = lambda *names: build_linear([gguf.tensor(n) for n in names], float32)  # noqa: E731
         self.embedding = Embedding(gguf.tensor("token_embd.weight"))
         self.blocks = [self._block(gguf, config, i, rope, linear) for i in range(config.n_layers)]
-        self.output_norm = _norm_weight(gguf, "output_norm.weight")
+        self.output_norm = _norm(gguf, "output_norm.weight", config.norm_eps)
         self.output = linear("output.weight" if "output.weight" in gguf.tensors else "token_embd.weight")
 
     @staticmethod
@@ -56,8 +54,8 @@ class LlamaModel(CausalLM):
         )
         up = [t("ffn_gate"), t("ffn_up")] if config.activation.is_gated else [t("ffn_up")]
         ffn = DenseFFN(linear(*up), linear(t("ffn_down")), config.activation)
-        return LlamaBlock(_norm_weight(gguf, f"blk.{i}.attn_norm.weight"), attention,
-                          _norm_weight(gguf, f"blk.{i}.ffn_norm.weight"), ffn, config.norm_eps)
+        return LlamaBlock(_norm(gguf, f"blk.{i}.attn_norm.weight", config.norm_eps), attention,
+                          _norm(gguf, f"blk.{i}.ffn_norm.weight", config.norm_eps), ffn)
 
     def forward(self, tokens: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache,
                 which: Literal["all", "last"] = "last") -> torch.Tensor:
@@ -67,8 +65,7 @@ class LlamaModel(CausalLM):
         if which == "last" and x.shape[0] > len(spans):
             ends = torch.cumsum(torch.tensor([s.length for s in spans]), 0)
             x = x[ends - 1]
-        x = F.rms_norm(x, (x.shape[-1],), self.output_norm, self.config.norm_eps)
-        return self.output(x).float()
+        return self.output(self.output_norm(x)).float()
 
     @property
     def weight_bytes_per_token(self) -> int:

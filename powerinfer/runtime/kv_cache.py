@@ -28,15 +28,19 @@ class KVCache:
         self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
         self.n_slots, self.n_ctx = n_slots, n_ctx
+        # Per layer and slot, [1, kv_heads, n_ctx, head_dim] views made once: slicing them is the
+        # whole per-step cost of reading the cache.
+        self._slot_keys = [[k[s : s + 1] for s in range(n_slots)] for k in self.keys]
+        self._slot_values = [[v[s : s + 1] for s in range(n_slots)] for v in self.values]
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
 
     def store(self, layer: int, span: SeqSpan, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write keys/values [kv_heads, length, head_dim] of `span`; return the slot's [1, kv_heads, end, head_dim] views."""
-        slot, start, end = span.slot, span.start, span.end
-        k_cache, v_cache = self.keys[layer], self.values[layer]
-        k_cache[slot, :, start:end] = keys
-        v_cache[slot, :, start:end] = values
-        return k_cache[slot : slot + 1, :, :end], v_cache[slot : slot + 1, :, :end]
+        """Write keys/values [1, kv_heads, length, head_dim] of `span`; return the slot's
+        [1, kv_heads, end, head_dim] views."""
+        k_cache, v_cache = self._slot_keys[layer][span.slot], self._slot_values[layer][span.slot]
+        k_cache[:, :, span.start : span.end] = keys
+        v_cache[:, :, span.start : span.end] = values
+        return k_cache[:, :, : span.end], v_cache[:, :, : span.end]
