@@ -10,6 +10,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from powerinfer.config import ModelConfig
 from powerinfer.errors import ContextOverflowError, PowerInferError
 from powerinfer.gguf.reader import open_gguf
 from powerinfer.hub import resolve_model
@@ -58,13 +59,12 @@ class LLM:
         self.path = resolve_model(model)
         started = time.perf_counter()
         gguf = open_gguf(self.path)
+        self.config = ModelConfig.from_gguf(gguf)  # rejects unsupported architectures before any work
         self.tokenizer = Tokenizer.from_gguf(gguf)
-        train_ctx = int(gguf.get(f"{gguf.get('general.architecture')}.context_length", DEFAULT_N_CTX))
-        self.n_ctx = n_ctx or min(DEFAULT_N_CTX, train_ctx)
+        self.n_ctx = n_ctx or min(DEFAULT_N_CTX, self.config.n_ctx_train)
         if self.n_ctx < 1:
             raise PowerInferError("n_ctx must be >= 1")
         self.model = load_model(gguf, self.n_ctx, float32=dtype == "float32")
-        self.config = self.model.config
         self.file_size = gguf.file_size
         self.n_params = sum(t.n_elements for t in gguf.tensors.values())
         self.quant_label = gguf.dominant_type_name()
@@ -109,12 +109,13 @@ class LLM:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         return GenerationSequence(ids, self.tokenizer, sampling, max_tokens, stops, context_left=self.n_ctx - len(ids))
 
-    def _run(self, sequence: GenerationSequence, slot: int = 0) -> Iterator[str]:
+    def _run(self, sequence: GenerationSequence, cache_prompt: bool, slot: int = 0) -> Iterator[str]:
         timings = sequence.timings
         started = time.perf_counter()
-        logits = self.engine.prefill(slot, sequence.prompt)
+        logits = self.engine.prefill(slot, sequence.prompt, reuse_prefix=cache_prompt)
         timings.prompt_seconds = time.perf_counter() - started
-        yield sequence.accept(logits)
+        if not sequence.finished:  # max_tokens=0 evaluates the prompt only
+            yield sequence.accept(logits)
         while not sequence.finished:
             started = time.perf_counter()
             logits = self.engine.decode([(slot, sequence.last_token)])[0]
@@ -123,24 +124,28 @@ class LLM:
             yield sequence.accept(logits)
 
     def complete(self, prompt: Prompt, max_tokens: int = 128, stop: Sequence[str] | str | None = None,
-                 **sampling) -> Completion:
-        """Generate a continuation and return it with token counts, finish reason and timings."""
+                 cache_prompt: bool = False, **sampling) -> Completion:
+        """Generate a continuation and return it with token counts, finish reason and timings.
+
+        `cache_prompt` skips recomputing the part of the prompt the previous call already
+        evaluated (useful for growing chats); it makes seeded sampling reproducible only to rounding.
+        """
         sequence = self._sequence(prompt, max_tokens, stop, SamplingParams(**sampling))
-        for _ in self._run(sequence):
+        for _ in self._run(sequence, cache_prompt):
             pass
         return sequence.completion()
 
     def generate(self, prompt: Prompt, max_tokens: int = 128, stop: Sequence[str] | str | None = None,
-                 **sampling) -> str:
+                 cache_prompt: bool = False, **sampling) -> str:
         """The generated text. Sampling keywords: temperature, top_k, top_p, min_p, repeat_penalty,
         repeat_last_n, seed (see `SamplingParams`)."""
-        return self.complete(prompt, max_tokens, stop, **sampling).text
+        return self.complete(prompt, max_tokens, stop, cache_prompt, **sampling).text
 
     def generate_stream(self, prompt: Prompt, max_tokens: int = 128, stop: Sequence[str] | str | None = None,
-                        **sampling) -> TextStream:
+                        cache_prompt: bool = False, **sampling) -> TextStream:
         """Like `generate`, but yields text pieces as they are produced."""
         sequence = self._sequence(prompt, max_tokens, stop, SamplingParams(**sampling))
-        return TextStream(self._run(sequence), sequence)
+        return TextStream(self._run(sequence, cache_prompt), sequence)
 
     def chat_prompt(self, messages: Messages) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template, ready for a reply."""
@@ -148,10 +153,10 @@ class LLM:
         return self.tokenize(text, add_bos=True)
 
     def chat(self, messages: Messages, max_tokens: int = 256, stop: Sequence[str] | str | None = None,
-             **sampling) -> str:
+             cache_prompt: bool = False, **sampling) -> str:
         """The assistant's reply to `messages` ([{"role": ..., "content": ...}, ...])."""
-        return self.generate(self.chat_prompt(messages), max_tokens, stop, **sampling)
+        return self.generate(self.chat_prompt(messages), max_tokens, stop, cache_prompt, **sampling)
 
     def chat_stream(self, messages: Messages, max_tokens: int = 256, stop: Sequence[str] | str | None = None,
-                    **sampling) -> TextStream:
-        return self.generate_stream(self.chat_prompt(messages), max_tokens, stop, **sampling)
+                    cache_prompt: bool = False, **sampling) -> TextStream:
+        return self.generate_stream(self.chat_prompt(messages), max_tokens, stop, cache_prompt, **sampling)

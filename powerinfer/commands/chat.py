@@ -25,7 +25,8 @@ def main(args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        stream = llm.chat_stream(messages, max_tokens=max_tokens(args.n_predict, llm), **sampling_from_args(args))
+        stream = llm.chat_stream(messages, max_tokens=max_tokens(args.n_predict, llm), cache_prompt=True,
+                                 **sampling_from_args(args))
         for piece in stream:
             sys.stdout.write(piece)
             sys.stdout.flush()

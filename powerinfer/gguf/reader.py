@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.constants import GGUF_MAGIC
 
 from powerinfer.errors import ModelFileError
@@ -70,23 +70,12 @@ class GGUFTensor:
 
 
 class GGUFFile:
-    """A GGUF or PowerInfer GGUF file: metadata as Python values, tensors mapped rather than read.
+    """A GGUF or PowerInfer GGUF file: metadata as Python values, tensors mapped rather than read."""
 
-    The reader's parsed fields (one numpy object per vocabulary string: tens of MB) are decoded
-    once and dropped; the mapping lives on through the tensor views.
-    """
-
-    def __init__(self, path: Path, reader: _MagicTolerantReader, magic: str):
-        self.path = path
-        self.magic = magic
-        self._mapping = reader.mapping
-        self.metadata: dict[str, Any] = {
-            name: _plain(field.contents()) for name, field in reader.fields.items() if not name.startswith("GGUF.")
-        }
-        self.tensors: dict[str, GGUFTensor] = {
-            t.name: GGUFTensor(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), t.data)
-            for t in reader.tensors
-        }
+    def __init__(self, path: Path, magic: str, metadata: dict[str, Any], tensors: dict[str, GGUFTensor],
+                 mapping: np.memmap):
+        self.path, self.magic, self.metadata, self.tensors = path, magic, metadata, tensors
+        self._mapping = mapping
 
     @property
     def is_powerinfer(self) -> bool:
@@ -132,6 +121,40 @@ def _plain(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
+def _read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Decode every key/value pair.
+
+    The reader holds one numpy object per vocabulary string (~70 MB for a 49k vocabulary). Python
+    objects made while those live end up scattered among them, and the heap cannot shrink once they
+    are freed; so array values are first packed into a few large buffers, and turned into Python
+    lists only after the reader is gone (the caller calls the returned thunks).
+    """
+    values: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        if field.types and field.types[0] == GGUFValueType.ARRAY:
+            parts = [field.parts[i] for i in field.data]
+            if field.types[-1] == GGUFValueType.STRING:
+                lengths = np.array([p.nbytes for p in parts], dtype=np.int64)
+                values[name] = ("strings", b"".join(p.tobytes() for p in parts), lengths)
+            else:
+                values[name] = ("numbers", np.concatenate(parts) if parts else np.array([]), None)
+        else:
+            values[name] = _plain(field.contents())
+    return values
+
+
+def _unpack(value: Any) -> Any:
+    if not isinstance(value, tuple):
+        return value
+    kind, data, lengths = value
+    if kind == "numbers":
+        return data.tolist()
+    ends = np.cumsum(lengths).tolist()
+    return [data[start:end].decode("utf-8", errors="replace") for start, end in zip([0, *ends[:-1]], ends)]
+
+
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     """Map a GGUF or PowerInfer GGUF file; raise `ModelFileError` with one clear line if we can't."""
     path = Path(path)
@@ -146,10 +169,15 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         raise ModelFileError(f"{path}: not a GGUF file (magic {head!r})")
     try:
         reader = _MagicTolerantReader(path)
+        packed = _read_metadata(reader)
     except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as error:
         raise ModelFileError(f"{path}: corrupt or truncated GGUF ({error})") from None
     size = os.path.getsize(path)
-    for tensor in reader.tensors:
-        if tensor.data_offset + tensor.n_bytes > size or tensor.data.nbytes != tensor.n_bytes:
-            raise ModelFileError(f"{path}: truncated GGUF (tensor {tensor.name} runs past the end of the file)")
-    return GGUFFile(path, reader, magic)
+    tensors = {}
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise ModelFileError(f"{path}: truncated GGUF (tensor {t.name} runs past the end of the file)")
+        tensors[t.name] = GGUFTensor(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), t.data)
+    mapping = reader.mapping
+    del reader  # frees the per-field objects before the metadata lists are built
+    return GGUFFile(path, magic, {k: _unpack(v) for k, v in packed.items()}, tensors, mapping)

@@ -29,12 +29,17 @@ class Engine:
             raise ContextOverflowError(f"prompt of {n_tokens} tokens does not fit in the context of {self.n_ctx} tokens")
 
     @torch.inference_mode()
-    def prefill(self, slot: int, ids: Sequence[int]) -> torch.Tensor:
-        """Put `ids` in `slot` and return the logits after the last one ([n_vocab], float32)."""
+    def prefill(self, slot: int, ids: Sequence[int], reuse_prefix: bool = True) -> torch.Tensor:
+        """Put `ids` in `slot` and return the logits after the last one ([n_vocab], float32).
+
+        With `reuse_prefix`, tokens the slot already holds are not recomputed. Results then match a
+        fresh evaluation only to rounding (the new tokens are batched differently), so sampling
+        with a fixed seed is reproducible only without reuse.
+        """
         if not ids:
             raise ContextOverflowError("empty prompt: nothing to evaluate")
         self._check_fits(len(ids))
-        cached = self.slot_tokens[slot]
+        cached = self.slot_tokens[slot] if reuse_prefix else []
         reuse = 0
         for a, b in zip(cached, ids[:-1]):  # the last prompt token is always evaluated, for its logits
             if a != b:

@@ -25,8 +25,10 @@ class KVCache:
 
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, n_ctx: int, head_dim: int, dtype=torch.float32):
         shape = (n_slots, n_kv_heads, n_ctx, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+        # Uninitialised: positions are always written before they are read, and pages never
+        # written (the unused end of the context) then cost no resident memory.
+        self.keys = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
+        self.values = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
         self.n_slots, self.n_ctx = n_slots, n_ctx
         # Per layer and slot, [1, kv_heads, n_ctx, head_dim] views made once: slicing them is the
         # whole per-step cost of reading the cache.

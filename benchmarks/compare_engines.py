@@ -1,0 +1,240 @@
+"""Dense engines side by side: powerinfer vs llama.cpp (llama-cpp-python) vs Hugging Face transformers.
+
+Same GGUF, same thread count, one run. Each engine lives in its own worker process (so its peak
+RSS is its own); the controller interleaves their repetitions so machine noise hits all alike.
+
+    .venv/bin/python benchmarks/compare_engines.py            # installs llama-cpp-python if missing
+    .venv/bin/python benchmarks/compare_engines.py --engines powerinfer llama.cpp
+
+Writes benchmarks/results/dense_engines.md (linked from the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+RESULTS = Path(__file__).parent / "results" / "dense_engines.md"
+
+
+# ---------------------------------------------------------------- workers (one engine each)
+
+class PowerInferWorker:
+    def __init__(self, model: str, threads: int, n_ctx: int):
+        from powerinfer import LLM
+
+        self.llm = LLM(model, threads=threads, n_ctx=n_ctx)
+
+    def prefill(self, ids: list[int]) -> None:
+        self.llm.engine.release(0)
+        self.llm.engine.prefill(0, ids)
+
+    def decode(self, token: int, n: int) -> None:
+        engine = self.llm.engine
+        engine.release(0)
+        for _ in range(n):
+            engine.decode([(0, token)])
+
+
+class LlamaCppWorker:
+    """llama.cpp through its C API (llama_decode), without llama-cpp-python's per-token Python work."""
+
+    def __init__(self, model: str, threads: int, n_ctx: int):
+        import llama_cpp
+
+        self.lib = llama_cpp
+        self.llm = llama_cpp.Llama(model, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=512, verbose=False)
+        self.ctx = self.llm.ctx
+
+    def _eval(self, ids: list[int]) -> None:
+        tokens = (self.lib.llama_token * len(ids))(*ids)
+        if self.lib.llama_decode(self.ctx, self.lib.llama_batch_get_one(tokens, len(ids))) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def _clear(self) -> None:
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+
+    def prefill(self, ids: list[int]) -> None:
+        self._clear()
+        self._eval(ids)
+
+    def decode(self, token: int, n: int) -> None:
+        self._clear()
+        for _ in range(n):
+            self._eval([token])
+            self.lib.llama_get_logits_ith(self.ctx, -1)
+
+
+class TransformersWorker:
+    """transformers loading the same GGUF (it dequantizes to float32), with its KV cache."""
+
+    def __init__(self, model: str, threads: int, n_ctx: int):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        path = Path(model)
+        self.model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+    def prefill(self, ids: list[int]) -> None:
+        with self.torch.inference_mode():
+            self.model(self.torch.tensor([ids]), use_cache=True)
+
+    def decode(self, token: int, n: int) -> None:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        step = self.torch.tensor([[token]])
+        with self.torch.inference_mode():
+            for _ in range(n):
+                self.model(step, past_key_values=cache, use_cache=True)
+
+
+WORKERS = {"powerinfer": PowerInferWorker, "llama.cpp": LlamaCppWorker, "transformers": TransformersWorker}
+
+
+def worker_main(engine: str, model: str, threads: int, n_ctx: int) -> None:
+    """Load the engine, then answer timing requests read as JSON lines on stdin."""
+    worker = WORKERS[engine](model, threads, n_ctx)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        started = time.perf_counter()
+        if request["test"] == "pp":
+            worker.prefill(request["ids"])
+        else:
+            worker.decode(request["token"], request["n"])
+        seconds = time.perf_counter() - started
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(json.dumps({"seconds": seconds, "peak_rss": peak}), flush=True)
+
+
+# ---------------------------------------------------------------- controller
+
+def ensure_llama_cpp() -> None:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print(f"installing {LLAMA_CPP_PYTHON} (compiles llama.cpp: several minutes) ...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", LLAMA_CPP_PYTHON], check=True)
+
+
+class Engine:
+    def __init__(self, name: str, model: str, threads: int, n_ctx: int):
+        self.name = name
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--worker", name, "--model", model, "--threads", str(threads), "--n-ctx", str(n_ctx)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._read()
+        self.times: dict[str, list[float]] = {"pp": [], "tg": []}
+        self.peak_rss = 0
+
+    def _read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} worker exited")
+        return json.loads(line)
+
+    def run(self, request: dict) -> None:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        reply = self._read()
+        self.times[request["test"]].append(reply["seconds"])
+        self.peak_rss = reply["peak_rss"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def machine_description() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    return f"{cpu}, {os.cpu_count()} cores, {round(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30)} GiB, Python {platform.python_version()}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--n-prompt", type=int, default=512)
+    parser.add_argument("--n-gen", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--engines", nargs="+", default=list(WORKERS), choices=list(WORKERS))
+    parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--n-ctx", type=int, default=1024, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.model is None:
+        from powerinfer.hub import pull_default_model
+
+        args.model = str(pull_default_model())
+    if args.worker:
+        worker_main(args.worker, args.model, args.threads, args.n_ctx)
+        return
+    if "llama.cpp" in args.engines:
+        ensure_llama_cpp()
+
+    import torch
+
+    ids = torch.randint(100, 40000, (args.n_prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    n_ctx = args.n_prompt + args.n_gen + 8
+    engines = [Engine(name, args.model, args.threads, n_ctx) for name in args.engines]
+    requests = [{"test": "pp", "ids": ids}, {"test": "tg", "token": ids[0], "n": args.n_gen}]
+    for engine in engines:  # warm-up, not recorded
+        for request in requests:
+            engine.run(request)
+            engine.times[request["test"]].clear()
+    for rep in range(args.reps):
+        for engine in engines:
+            for request in requests:
+                engine.run(request)
+        print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr)
+    for engine in engines:
+        engine.close()
+
+    def rate(engine: Engine, test: str) -> float:
+        n = args.n_prompt if test == "pp" else args.n_gen
+        return statistics.median(n / s for s in engine.times[test])
+
+    reference = next((e for e in engines if e.name == "llama.cpp"), None)
+    rows = [f"| engine | decode tg{args.n_gen} (tok/s) | prefill pp{args.n_prompt} (tok/s) | decode vs llama.cpp | prefill vs llama.cpp | peak RSS (MiB) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for engine in engines:
+        tg, pp = rate(engine, "tg"), rate(engine, "pp")
+        vs = (f"{tg / rate(reference, 'tg'):.2f}x", f"{pp / rate(reference, 'pp'):.2f}x") if reference else ("", "")
+        rows.append(f"| {engine.name} | {tg:.1f} | {pp:.1f} | {vs[0]} | {vs[1]} | {engine.peak_rss / 2**20:.0f} |")
+    table = "\n".join(rows)
+    print(table)
+    import torch as _torch
+
+    report = [
+        "# Dense engines side by side",
+        "",
+        f"Measured {datetime.date.today().isoformat()} on {machine_description()}; torch {_torch.__version__}.",
+        f"Model: `{Path(args.model).name}`; {args.threads} threads; medians of {args.reps} interleaved repetitions",
+        "(after one warm-up each). Decode: tg = single-token steps from an empty cache, as llama-bench's tgN;",
+        "prefill: one batch of random tokens from an empty cache. llama.cpp runs through llama-cpp-python's C API",
+        f"({LLAMA_CPP_PYTHON}, built from source here); transformers loads the same GGUF dequantized to float32.",
+        "",
+        table,
+        "",
+        f"Command: `.venv/bin/python benchmarks/compare_engines.py --threads {args.threads} --reps {args.reps}`",
+    ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(report) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

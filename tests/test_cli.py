@@ -1,0 +1,95 @@
+"""The command line: output on stdout, timings on stderr, and one-line errors with status 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from powerinfer.gguf.writer import TensorData, write_gguf
+
+
+def powerinfer(*args: str, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "powerinfer.cli", *args], capture_output=True, text=True,
+                          input=stdin, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_run_prints_text_and_timings(default_model):
+    result = powerinfer("run", "-m", str(default_model), "-p", "The capital of France is", "-n", "12", "--temp", "0")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "prompt eval time" in result.stderr and "tokens per second" in result.stderr
+
+
+def test_run_greedy_equals_api(default_model, default_llm):
+    result = powerinfer("run", "-m", str(default_model), "-p", "Once upon a time", "-n", "16", "--temp", "0")
+    expected = default_llm.generate("Once upon a time", max_tokens=16, temperature=0)
+    assert result.stdout.rstrip("\n") == expected
+
+
+def test_chat_reads_stdin(default_model):
+    result = powerinfer("chat", "-m", str(default_model), "--temp", "0", "-n", "24", stdin="Which city is the capital of France?\n")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+def test_bench_prints_markdown_table(default_model):
+    result = powerinfer("bench", "-m", str(default_model), "-p", "16", "-n", "4", "-r", "1")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].startswith("| model | size | params | backend | threads | test | t/s")
+    assert any("| pp16 |" in line for line in lines) and any("| tg4 |" in line for line in lines)
+
+
+def test_missing_model_file(tmp_path):
+    assert_one_line_error(powerinfer("run", "-m", str(tmp_path / "none.gguf"), "-p", "hi"), "no such file")
+
+
+def test_not_a_gguf(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_text("definitely not a model")
+    assert_one_line_error(powerinfer("run", "-m", str(path), "-p", "hi"), "not a GGUF")
+
+
+def test_truncated_model(tmp_path, default_model):
+    path = tmp_path / "cut.gguf"
+    with open(default_model, "rb") as src:
+        path.write_bytes(src.read(5_000_000))
+    assert_one_line_error(powerinfer("run", "-m", str(path), "-p", "hi"), "truncated")
+
+
+def test_unknown_architecture(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    write_gguf(path, "mamba", {}, [TensorData("w", np.zeros(4, np.float32), __import__("gguf").GGMLQuantizationType.F32)])
+    assert_one_line_error(powerinfer("run", "-m", str(path), "-p", "hi"), "unsupported architecture 'mamba'")
+
+
+def test_prompt_longer_than_context(default_model):
+    assert_one_line_error(powerinfer("run", "-m", str(default_model), "-c", "16", "-p", "word " * 40), "does not fit")
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["run", "-p", "x", "--bogus"], "unrecognized arguments: --bogus"),
+    (["run", "-p", "x", "--temp", "warm"], "invalid float value"),
+    (["run", "-p", "x", "-t", "0"], "must be >= 1"),
+    (["run"], "required"),
+    (["fly"], "invalid choice"),
+])
+def test_bad_flags(flags, fragment):
+    assert_one_line_error(powerinfer(*flags), fragment)
+
+
+def test_bad_sampling_value(default_model):
+    assert_one_line_error(powerinfer("run", "-m", str(default_model), "-p", "x", "--top-p", "3"), "top_p")
