@@ -107,3 +107,22 @@ def test_batched_decode_equals_separate_sequences(tiny_llama, ids):
         alone = engine_for(ggufs["q4_0"])
         alone.prefill(0, p)
         assert torch.allclose(together[slot], alone.decode([(0, ids[40 + slot])])[0], atol=1e-3)
+
+
+def test_native_decode_step_equals_python_path(tiny_llama, ids):
+    """The C++ single-token step (used when available) computes exactly what the Python blocks do."""
+    _, _, ggufs = tiny_llama
+    engine = engine_for(ggufs["q4_1"])
+    steps = [block.step for block in engine.model.blocks]
+    if any(step is None for step in steps):
+        pytest.skip("native operators could not be built here")
+    engine.prefill(0, ids[:10])
+    native_rows = torch.stack([engine.decode([(0, t)])[0] for t in ids[10:20]])
+    for block in engine.model.blocks:
+        block.step = None
+    python = engine_for(ggufs["q4_1"])
+    for block in python.model.blocks:
+        block.step = None
+    python.prefill(0, ids[:10])
+    python_rows = torch.stack([python.decode([(0, t)])[0] for t in ids[10:20]])
+    torch.testing.assert_close(native_rows, python_rows, rtol=0, atol=1e-5)

@@ -63,10 +63,16 @@ def test_native_operators_equal_references(ggml_type, blocks, n_ff, tokens, seed
     torch.testing.assert_close(y, N.gather_matvec_reference(s, s.up, x, idx), rtol=1e-4, atol=1e-4)
     z = ops.accumulate_rows(s.records, s.down.as_list(), a, idx)
     torch.testing.assert_close(z, N.accumulate_rows_reference(s, s.down, a, idx), rtol=1e-4, atol=1e-4)
+    # float32 rounding bounds: each dot is accurate to ~1e-6 of the sum of its |terms|, so an
+    # activation to ~1e-6 of |gate terms| * |up terms|, and the output to that times max|w_down|
+    # per row (the kernel adds a*d*q and a*m separately), whatever cancellation the result has.
+    x_abs = x.abs()
+    terms = (x_abs @ s.weights(s.gate, idx).abs().T) * (x_abs @ s.weights(s.up, idx).abs().T)
+    down = s.weights(s.down, idx).abs()
+    bound = 1e-5 * (terms @ down.amax(1, keepdim=True).expand_as(down)) + 1e-5
     for activation in (FFNActivation.SILU_GATED, FFNActivation.RELU_GATED, FFNActivation.DRELU):
         f = N.sparse_ffn(s, activation, x, idx)
-        torch.testing.assert_close(f, N.sparse_ffn_reference(s, activation, x, idx), rtol=1e-4, atol=1e-3)
-
+        assert torch.all((f - N.sparse_ffn_reference(s, activation, x, idx)).abs() <= bound)
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1, T.Q8_0, T.F32])
 def test_sparse_ffn_over_all_neurons_equals_dense_ffn(ggml_type):
@@ -86,14 +92,14 @@ def test_skipping_zero_neurons_changes_nothing():
     fired = torch.nonzero((x @ gw.T)[0] > 0).flatten()
     everything = N.sparse_ffn(s, FFNActivation.RELU_GATED, x, torch.arange(200))
     only_fired = N.sparse_ffn(s, FFNActivation.RELU_GATED, x, fired)
-    torch.testing.assert_close(only_fired, everything, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(only_fired, everything, rtol=1e-4, atol=1e-4)
 
 
 def test_non_gated_ffn():
     s, (_, uw, dw) = store(5, T.F32, 50, 64, 32, gated=False)
     x = torch.randn(1, 64)
     torch.testing.assert_close(N.sparse_ffn(s, FFNActivation.RELU, x, torch.arange(50)), torch.relu(x @ uw.T) @ dw,
-                               rtol=1e-5, atol=1e-5)
+                               rtol=1e-4, atol=1e-4)
 
 
 @needs_native

@@ -7,13 +7,17 @@ from typing import Literal
 
 import torch
 
-from powerinfer.config import ModelConfig
+from powerinfer.config import FFNActivation, ModelConfig
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.base import CausalLM
 from powerinfer.models.layers import Attention, DenseFFN, Embedding, RMSNorm, RotaryEmbedding
-from powerinfer.ops.linear import build_linear, mapped_tensor
+from powerinfer.ops import native
+from powerinfer.ops.linear import Int4Linear, build_linear, mapped_tensor
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
+
+NATIVE_ACTIVATIONS = {FFNActivation.RELU_GATED: 0, FFNActivation.SILU_GATED: 1, FFNActivation.GELU_GATED: 2,
+                      FFNActivation.DRELU: 3, FFNActivation.RELU: 4, FFNActivation.GELU: 5}
 
 
 def _norm(gguf: GGUFFile, name: str, eps: float) -> RMSNorm:
@@ -23,10 +27,39 @@ def _norm(gguf: GGUFFile, name: str, eps: float) -> RMSNorm:
 class LlamaBlock:
     def __init__(self, attn_norm: RMSNorm, attention: Attention, ffn_norm: RMSNorm, ffn):
         self.attn_norm, self.attention, self.ffn_norm, self.ffn = attn_norm, attention, ffn_norm, ffn
+        self.step = self._native_step()
 
     def __call__(self, x: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> torch.Tensor:
         x = x + self.attention(self.attn_norm(x), spans, cache)
         return x.add_(self.ffn(self.ffn_norm(x)))
+
+    def decode(self, x: torch.Tensor, span: SeqSpan, cache: KVCache) -> None:
+        """One token of one sequence, updating x [1, d] in place (native step when available)."""
+        if self.step is None:
+            x.copy_(self(x, [span], cache))
+            return
+        keys, values = cache.slot_views(self.attention.layer, span.slot)
+        self.step.attention(x, keys, values, span.start, self.attention.rope.rotations[span.start])
+        if isinstance(self.ffn, DenseFFN):
+            self.step.dense_ffn(x)
+        else:
+            x.add_(self.ffn(self.step.ffn_input(x)))
+
+    def _native_step(self):
+        """The C++ single-token step, when the native build and this block's weights allow it."""
+        ops = native.load()
+        a = self.attention
+        projections = [a.qkv, a.output] + ([self.ffn.up, self.ffn.down] if isinstance(self.ffn, DenseFFN) else [])
+        if ops is None or not a.rope.interleaved or not all(isinstance(p, Int4Linear) for p in projections):
+            return None
+        project = lambda p: ops.Int4Projection(p.packed, p.scale_zero, p.out_features, p.input_repeats)  # noqa: E731
+        dense = isinstance(self.ffn, DenseFFN)
+        return ops.LlamaBlockStep(
+            self.attn_norm.scaled_weight, self.attn_norm.eps_term, project(a.qkv), project(a.output),
+            a.n_head, a.n_head_kv, a.head_dim, self.ffn_norm.scaled_weight, self.ffn_norm.eps_term,
+            project(self.ffn.up) if dense else None, project(self.ffn.down) if dense else None,
+            NATIVE_ACTIVATIONS[self.ffn.activation],
+        )
 
 
 class LlamaModel(CausalLM):
@@ -60,8 +93,12 @@ class LlamaModel(CausalLM):
     def forward(self, tokens: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache,
                 which: Literal["all", "last"] = "last") -> torch.Tensor:
         x = self.embedding(tokens)
-        for block in self.blocks:
-            x = block(x, spans, cache)
+        if len(spans) == 1 and spans[0].length == 1:
+            for block in self.blocks:
+                block.decode(x, spans[0], cache)
+        else:
+            for block in self.blocks:
+                x = block(x, spans, cache)
         if which == "last" and x.shape[0] > len(spans):
             ends = torch.cumsum(torch.tensor([s.length for s in spans]), 0)
             x = x[ends - 1]

@@ -25,7 +25,7 @@ def load() -> ModuleType | None:
 
         return build(
             name="powerinfer_native",
-            sources=[str(SOURCES / "neuron_kernels.cpp")],
+            sources=[str(SOURCES / "neuron_kernels.cpp"), str(SOURCES / "decode_step.cpp")],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

@@ -39,6 +39,10 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
 
+    def slot_views(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one layer and slot: [1, kv_heads, n_ctx, head_dim] each."""
+        return self._slot_keys[layer][slot], self._slot_values[layer][slot]
+
     def store(self, layer: int, span: SeqSpan, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write keys/values [1, kv_heads, length, head_dim] of `span`; return the slot's
         [1, kv_heads, end, head_dim] views."""
