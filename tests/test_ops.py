@@ -91,3 +91,18 @@ def test_float32_mode_is_exact():
     assert isinstance(layer, DenseLinear) and layer.weight.dtype == torch.float32
     x = torch.randn(2, 96)
     torch.testing.assert_close(layer(x), x @ torch.from_numpy(quants.dequantize(raw, T.Q4_1)).T)
+
+
+def test_stacked_tensors_pack_in_chunks_like_one_matrix(monkeypatch):
+    """q/k/v (or gate/up) are packed as one matrix, a chunk of rows at a time."""
+    import powerinfer.ops.linear as linear
+
+    parts = [random_matrix(rows, 64, seed) for seed, rows in enumerate((70, 130, 9))]
+    tensors = [GGUFTensor(f"w{i}", T.Q4_1, p.shape, encoded(p, T.Q4_1)) for i, p in enumerate(parts)]
+    x = torch.randn(2, 64)
+    whole = build_linear(tensors)(x)
+    monkeypatch.setattr(linear, "PACK_CHUNK_ROWS", 64)
+    chunked = build_linear(tensors)(x)
+    assert chunked.shape == (2, 209) and torch.equal(chunked, whole)
+    expected = x @ torch.cat([torch.from_numpy(quants.dequantize(t.data, T.Q4_1)) for t in tensors]).T
+    assert (whole.float() - expected).abs().max() <= 0.02 * expected.abs().max()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 
 import numpy as np
@@ -103,22 +103,14 @@ class Int4Linear(Linear):
     """Weights `scale * nibble + offset`, one scale and offset per 32 inputs, on torch's int4 kernel.
 
     `input_repeats` > 1 means the weight matrix is several int4 matrices side by side along the
-    input axis that all read the same input (how Q8_0 is represented).
+    input axis that all read the same input (how Q8_0 is represented). Build with `pack_int4`.
     """
 
-    def __init__(self, nibbles: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, input_repeats: int = 1):
-        n, k = nibbles.shape
-        self.out_features, self.in_features = n, k // input_repeats
-        self.input_repeats = input_repeats
-        padded = -n % PACK_BLOCK_N
-        if padded:
-            nibbles = F.pad(nibbles, (0, 0, 0, padded))
-            scale, offset = F.pad(scale, (0, 0, 0, padded)), F.pad(offset, (0, 0, 0, padded))
-        self.packed = pack_nibbles(nibbles.contiguous())
-        # The kernel computes (nibble - 8) * scale + zero.
-        zero = offset + 8.0 * scale
-        self.scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        self._padded = padded > 0
+    def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int, input_repeats: int = 1):
+        self.packed, self.scale_zero = packed, scale_zero
+        self.out_features, self.input_repeats = out_features, input_repeats
+        self.in_features = packed.shape[1] * 2 // input_repeats
+        self._padded = packed.shape[0] != out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16)
@@ -130,6 +122,44 @@ class Int4Linear(Linear):
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scale_zero.nbytes
+
+
+NibbleRows = Callable[[GGUFTensor, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+PACK_CHUNK_ROWS = 4096  # rows repacked at a time (a multiple of 64): bounds the temporaries
+
+
+def _stacked_rows(tensors: Sequence[GGUFTensor], nibble_rows: NibbleRows, start: int, end: int):
+    """Rows start..end of the tensors stacked on top of each other."""
+    parts, first = [], 0
+    for t in tensors:
+        lo, hi = max(start, first), min(end, first + t.shape[0])
+        if lo < hi:
+            parts.append(nibble_rows(t, lo - first, hi - first))
+        first += t.shape[0]
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
+def pack_int4(tensors: Sequence[GGUFTensor], nibble_rows: NibbleRows, input_repeats: int = 1) -> Int4Linear:
+    """Repack the rows of `tensors` (stacked) for torch's int4 kernel, a chunk of rows at a time.
+
+    `nibble_rows(tensor, start, end)` gives rows start..end as (nibbles uint8 [n, K], scale and
+    offset float32 [n, K/32]) with weight = scale * nibble + offset.
+    """
+    n_rows = sum(t.shape[0] for t in tensors)
+    n_cols = tensors[0].shape[1] * input_repeats
+    padded_rows = n_rows + (-n_rows % PACK_BLOCK_N)
+    packed = torch.empty(padded_rows, n_cols // 2, dtype=torch.uint8)
+    scale_zero = torch.empty(n_cols // QK, padded_rows, 2, dtype=torch.bfloat16)
+    for start in range(0, padded_rows, PACK_CHUNK_ROWS):
+        end = min(start + PACK_CHUNK_ROWS, padded_rows)
+        nibbles, scale, offset = _stacked_rows(tensors, nibble_rows, start, min(end, n_rows))
+        pad = end - start - nibbles.shape[0]  # zero rows up to a whole block of 64
+        if pad:
+            nibbles, scale, offset = F.pad(nibbles, (0, 0, 0, pad)), F.pad(scale, (0, 0, 0, pad)), F.pad(offset, (0, 0, 0, pad))
+        packed[start:end] = pack_nibbles(nibbles.contiguous())
+        # The kernel computes (nibble - 8) * scale + zero.
+        scale_zero[:, start:end] = torch.stack([scale, offset + 8.0 * scale], dim=-1).transpose(0, 1)
+    return Int4Linear(packed, scale_zero, n_rows, input_repeats)
 
 
 class ConcatLinear(Linear):
@@ -150,12 +180,12 @@ class ConcatLinear(Linear):
         return sum(p.nbytes for p in self.parts)
 
 
-def _q4_parts(tensor: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return split_q4_blocks(mapped_tensor(tensor.rows_as_bytes()), tensor.ggml_type)
+def _q4_rows(tensor: GGUFTensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return split_q4_blocks(mapped_tensor(tensor.rows_as_bytes()[start:end]), tensor.ggml_type)
 
 
-def _q8_parts(tensor: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    values, d = split_q8_blocks(mapped_tensor(tensor.rows_as_bytes()))
+def _q8_rows(tensor: GGUFTensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    values, d = split_q8_blocks(mapped_tensor(tensor.rows_as_bytes()[start:end]))
     byte = values.view(torch.uint8)
     # q = 16 * (hi - 8) + lo with hi, lo in 0..15; on the two's-complement byte, hi = (byte >> 4) ^ 8.
     nibbles = torch.cat([(byte >> 4) ^ 8, byte & 0x0F], dim=1)
@@ -181,11 +211,9 @@ def build_linear(tensors: Sequence[GGUFTensor], float32: bool = False) -> Linear
         ]))
     types = {t.ggml_type for t in tensors}
     if types <= {T.Q4_0, T.Q4_1}:
-        nibbles, scale, offset = zip(*(_q4_parts(t) for t in tensors))
-        return Int4Linear(torch.cat(nibbles), torch.cat(scale), torch.cat(offset))
+        return pack_int4(tensors, _q4_rows)
     if types == {T.Q8_0}:
-        nibbles, scale, offset = zip(*(_q8_parts(t) for t in tensors))
-        return Int4Linear(torch.cat(nibbles), torch.cat(scale), torch.cat(offset), input_repeats=2)
+        return pack_int4(tensors, _q8_rows, input_repeats=2)
     if len(types) == 1 and (types <= FLOAT_TYPES.keys() or types <= EXPANDED_TYPES):
         return DenseLinear(torch.cat([_dense_weight(t) for t in tensors]))
     return ConcatLinear([build_linear([t]) for t in tensors])
