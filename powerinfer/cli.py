@@ -24,6 +24,20 @@ def positive_int(text: str) -> int:
     return value
 
 
+def unit_interval(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def add_model_options(parser: argparse.ArgumentParser, ctx: bool = True) -> None:
     parser.add_argument("-m", "--model", help="GGUF or PowerInfer GGUF file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use)")
     parser.add_argument("-t", "--threads", type=positive_int, help="CPU threads (default: torch's choice, the physical cores)")
@@ -74,6 +88,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("-p", "--n-prompt", type=positive_int, default=512, help="prompt tokens for the pp test (default: 512)")
     bench.add_argument("-n", "--n-gen", type=positive_int, default=128, help="tokens for the tg test (default: 128)")
     bench.add_argument("-r", "--repetitions", type=positive_int, default=5, help="repetitions of each test (default: 5)")
+    ppl = commands.add_parser("perplexity", help="perplexity of a text file (llama.cpp's method)")
+    add_model_options(ppl)
+    ppl.add_argument("-f", "--file", required=True, help="text file (e.g. wikitext-2 test.txt)")
+    ppl.add_argument("--chunks", type=int, default=None, help="evaluate at most this many chunks (default: all)")
+    profile = commands.add_parser("profile", help="count which FFN neurons fire over calibration text")
+    add_model_options(profile, ctx=False)
+    profile.add_argument("-f", "--file", required=True, help="calibration text (e.g. wikitext-2 valid.txt)")
+    profile.add_argument("-o", "--output", required=True, help="output directory (gets activation/)")
+    profile.add_argument("--tokens", type=positive_int, default=32768, help="calibration tokens (default: 32768)")
+    profile.add_argument("--chunk", type=positive_int, default=512, help="tokens per forward pass (default: 512)")
+    target = profile.add_mutually_exclusive_group()
+    target.add_argument("--target-sparsity", type=unit_interval, help="SiLU/GELU models: fraction of neurons to skip")
+    target.add_argument("--target-error", type=positive_float, help="SiLU/GELU models: max mean relative FFN error")
+
+    inspect = commands.add_parser("inspect", help="plot activation statistics (the power-law figure)")
+    inspect.add_argument("--activations", required=True, help="profile directory (with activation/)")
+    inspect.add_argument("-o", "--output", required=True, help="image file (.png)")
     return parser
 
 

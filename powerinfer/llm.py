@@ -15,6 +15,7 @@ from powerinfer.errors import ContextOverflowError, PowerInferError
 from powerinfer.gguf.reader import open_gguf
 from powerinfer.hub import resolve_model
 from powerinfer.models import load_model
+from powerinfer.models.ffn import FFNOptions, SparsityMode
 from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.sampling import SamplingParams
 from powerinfer.runtime.sequence import Completion, GenerationSequence
@@ -46,12 +47,20 @@ class LLM:
     `model` is a path to a GGUF or PowerInfer GGUF file, or None for the default model (fetched on
     first use). `dtype="float32"` dequantizes all weights to float32: exact arithmetic for checking
     against reference implementations, at several times the memory and a fraction of the speed.
+
+    `sparsity`: "auto" computes only the FFN neurons the model's predictors expect to fire (dense
+    when the file has no predictors); "off" computes all of them; "oracle" computes every activation
+    and skips the neurons with |activation| <= a per-layer threshold (`thresholds`, else the file's
+    calibrated ones, else 0 for ReLU-family models) in the down projection: for verification.
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *, threads: int | None = None,
-                 n_ctx: int | None = None, n_batch: int = 512, dtype: Literal["auto", "float32"] = "auto"):
+                 n_ctx: int | None = None, n_batch: int = 512, dtype: Literal["auto", "float32"] = "auto",
+                 sparsity: SparsityMode = "auto", thresholds: Sequence[float] | None = None):
         if dtype not in ("auto", "float32"):
             raise PowerInferError(f"unknown dtype {dtype!r} (expected 'auto' or 'float32')")
+        if sparsity not in ("auto", "off", "oracle"):
+            raise PowerInferError(f"unknown sparsity {sparsity!r} (expected 'auto', 'off' or 'oracle')")
         if threads is not None:
             if threads < 1:
                 raise PowerInferError("threads must be >= 1")
@@ -64,7 +73,10 @@ class LLM:
         self.n_ctx = n_ctx or min(DEFAULT_N_CTX, self.config.n_ctx_train)
         if self.n_ctx < 1:
             raise PowerInferError("n_ctx must be >= 1")
-        self.model = load_model(gguf, self.n_ctx, float32=dtype == "float32")
+        if thresholds is not None and len(thresholds) != self.config.n_layers:
+            raise PowerInferError(f"{len(thresholds)} thresholds given for a model of {self.config.n_layers} layers")
+        options = FFNOptions(sparsity, dtype == "float32", tuple(thresholds) if thresholds is not None else None)
+        self.model = load_model(gguf, self.n_ctx, options)
         self.file_size = gguf.file_size
         self.n_params = sum(t.n_elements for t in gguf.tensors.values())
         self.quant_label = gguf.dominant_type_name()

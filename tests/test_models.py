@@ -7,6 +7,7 @@ import torch
 
 from powerinfer.gguf import open_gguf
 from powerinfer.models import load_model
+from powerinfer.models.ffn import FFNOptions
 from powerinfer.runtime.engine import Engine
 
 N_CTX = 256
@@ -29,8 +30,9 @@ def gguf_reference(path, hf_model) -> torch.nn.Module:
                                                 dtype=torch.float32).eval()
 
 
-def engine_for(path, float32: bool = False, n_slots: int = 1, n_batch: int = 512) -> Engine:
-    return Engine(load_model(open_gguf(path), N_CTX, float32=float32), N_CTX, n_slots=n_slots, n_batch=n_batch)
+def engine_for(path, float32: bool = False, n_slots: int = 1, n_batch: int = 512, sparsity="auto") -> Engine:
+    model = load_model(open_gguf(path), N_CTX, FFNOptions(sparsity=sparsity, float32=float32))
+    return Engine(model, N_CTX, n_slots=n_slots, n_batch=n_batch)
 
 
 @pytest.fixture(scope="module")

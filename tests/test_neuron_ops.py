@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from powerinfer.config import FFNActivation
 from powerinfer.gguf.reader import GGUFTensor
-from powerinfer.models.layers import activate
+from powerinfer.ops.activation import activate
 from powerinfer.ops import native
 from powerinfer.ops import neuron as N
 

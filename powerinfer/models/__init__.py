@@ -8,6 +8,7 @@ from powerinfer.config import LLAMA_FAMILY, ModelConfig
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.base import CausalLM
+from powerinfer.models.ffn import FFNOptions
 from powerinfer.ops.quant import SUPPORTED_TYPES
 
 
@@ -17,14 +18,14 @@ def check_tensor_types(gguf: GGUFFile) -> None:
             raise UnsupportedModelError(f"{gguf.path}: unsupported tensor type {tensor.ggml_type.name} ({tensor.name})")
 
 
-def load_model(gguf: GGUFFile, n_ctx: int, float32: bool = False) -> CausalLM:
-    """Build the model a GGUF file describes; `float32` dequantizes all weights (exact reference mode)."""
+def load_model(gguf: GGUFFile, n_ctx: int, options: FFNOptions = FFNOptions()) -> CausalLM:
+    """Build the model a GGUF file describes (`options`: sparsity mode, float32 reference mode)."""
     config = ModelConfig.from_gguf(gguf)
     check_tensor_types(gguf)
     if config.architecture in LLAMA_FAMILY:
         from powerinfer.models.llama import LlamaModel
 
-        model = LlamaModel(gguf, config, n_ctx, float32)
+        model = LlamaModel(gguf, config, n_ctx, options)
     else:  # pragma: no cover - from_gguf already rejects these
         raise UnsupportedModelError(f"unsupported architecture {config.architecture}")
     gguf.release_pages()

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from powerinfer.config import FFNActivation
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops.linear import Linear, mapped_tensor
 from powerinfer.ops.quant import dequantize_rows
@@ -121,33 +120,3 @@ class Attention:
             mask = torch.arange(span.end)[None, :] <= (span.start + torch.arange(n))[:, None]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(n, h * hd)
-
-
-class DenseFFN:
-    """The feed-forward block computed for every neuron."""
-
-    def __init__(self, up: Linear, down: Linear, activation: FFNActivation):
-        # `up` holds [gate; up] stacked for gated activations, `up` alone otherwise.
-        self.up, self.down, self.activation = up, down, activation
-
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down(activate(self.up(h), self.activation))
-
-    @property
-    def nbytes(self) -> int:
-        return self.up.nbytes + self.down.nbytes
-
-
-def activate(up_out: torch.Tensor, activation: FFNActivation) -> torch.Tensor:
-    """Neuron activations from the up-projection output ([gate, up] halves when gated)."""
-    if not activation.is_gated:
-        return F.relu(up_out) if activation == FFNActivation.RELU else F.gelu(up_out, approximate="tanh")
-    half = up_out.shape[-1] // 2
-    gate, up = up_out[:, :half], up_out[:, half:]
-    if activation == FFNActivation.SILU_GATED:
-        return F.silu(gate).mul_(up)
-    if activation == FFNActivation.RELU_GATED:
-        return F.relu(gate).mul_(up)
-    if activation == FFNActivation.DRELU:
-        return F.relu(gate).mul_(F.relu(up))
-    return F.gelu(gate, approximate="tanh").mul_(up)

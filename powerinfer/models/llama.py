@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
+from tqdm import tqdm
 
 from powerinfer.config import FFNActivation, ModelConfig
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.base import CausalLM
-from powerinfer.models.layers import Attention, DenseFFN, Embedding, RMSNorm, RotaryEmbedding
+from powerinfer.models.ffn import DenseFFN, FFNOptions, build_ffn
+from powerinfer.models.layers import Attention, Embedding, RMSNorm, RotaryEmbedding
 from powerinfer.ops import native
 from powerinfer.ops.linear import Int4Linear, build_linear, mapped_tensor
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
@@ -28,14 +30,20 @@ class LlamaBlock:
     def __init__(self, attn_norm: RMSNorm, attention: Attention, ffn_norm: RMSNorm, ffn):
         self.attn_norm, self.attention, self.ffn_norm, self.ffn = attn_norm, attention, ffn_norm, ffn
         self.step = self._native_step()
+        # Called as observer(layer, residual, activations) when set (profiling, predictor training).
+        self.observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
     def __call__(self, x: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> torch.Tensor:
         x = x + self.attention(self.attn_norm(x), spans, cache)
-        return x.add_(self.ffn(self.ffn_norm(x)))
+        if self.observer is not None:
+            activations = self.ffn.activations(self.ffn_norm(x))
+            self.observer(self.attention.layer, x, activations)
+            return x.add_(self.ffn.project(activations))
+        return x.add_(self.ffn(self.ffn_norm(x), x))
 
     def decode(self, x: torch.Tensor, span: SeqSpan, cache: KVCache) -> None:
         """One token of one sequence, updating x [1, d] in place (native step when available)."""
-        if self.step is None:
+        if self.step is None or self.observer is not None:
             x.copy_(self(x, [span], cache))
             return
         keys, values = cache.slot_views(self.attention.layer, span.slot)
@@ -43,7 +51,7 @@ class LlamaBlock:
         if isinstance(self.ffn, DenseFFN):
             self.step.dense_ffn(x)
         else:
-            x.add_(self.ffn(self.step.ffn_input(x)))
+            x.add_(self.ffn(self.step.ffn_input(x), x))
 
     def _native_step(self):
         """The C++ single-token step, when the native build and this block's weights allow it."""
@@ -63,7 +71,7 @@ class LlamaBlock:
 
 
 class LlamaModel(CausalLM):
-    def __init__(self, gguf: GGUFFile, config: ModelConfig, n_ctx: int, float32: bool = False):
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, n_ctx: int, options: FFNOptions = FFNOptions()):
         self.config = config
         if config.rope_dim != config.head_dim:
             raise UnsupportedModelError(f"{gguf.path}: partial rotary embedding is not supported for llama")
@@ -72,21 +80,23 @@ class LlamaModel(CausalLM):
             config.head_dim, n_ctx, config.rope_freq_base, config.rope_scale,
             freq_factors=mapped_tensor(freq_factors.data).float() if freq_factors is not None else None,
         )
-        linear = lambda *names: build_linear([gguf.tensor(n) for n in names], float32)  # noqa: E731
+        linear = lambda *names: build_linear([gguf.tensor(n) for n in names], options.float32)  # noqa: E731
         self.embedding = Embedding(gguf.tensor("token_embd.weight"))
-        self.blocks = [self._block(gguf, config, i, rope, linear) for i in range(config.n_layers)]
+        self.blocks = [self._block(gguf, config, i, rope, linear, options)
+                       for i in tqdm(range(config.n_layers), desc="loading", unit="layer", leave=False,
+                                     disable=None)]  # None: only on a terminal
         self.output_norm = _norm(gguf, "output_norm.weight", config.norm_eps)
         self.output = linear("output.weight" if "output.weight" in gguf.tensors else "token_embd.weight")
 
     @staticmethod
-    def _block(gguf: GGUFFile, config: ModelConfig, i: int, rope: RotaryEmbedding, linear) -> LlamaBlock:
+    def _block(gguf: GGUFFile, config: ModelConfig, i: int, rope: RotaryEmbedding, linear,
+               options: FFNOptions) -> LlamaBlock:
         t = lambda name: f"blk.{i}.{name}.weight"  # noqa: E731
         attention = Attention(
             i, linear(t("attn_q"), t("attn_k"), t("attn_v")), linear(t("attn_output")),
             config.n_head, config.n_head_kv, config.head_dim, rope,
         )
-        up = [t("ffn_gate"), t("ffn_up")] if config.activation.is_gated else [t("ffn_up")]
-        ffn = DenseFFN(linear(*up), linear(t("ffn_down")), config.activation)
+        ffn = build_ffn(gguf, i, config.activation, linear, options)
         return LlamaBlock(_norm(gguf, f"blk.{i}.attn_norm.weight", config.norm_eps), attention,
                           _norm(gguf, f"blk.{i}.ffn_norm.weight", config.norm_eps), ffn)
 

@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType, quants
 from powerinfer.config import FFNActivation
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
+from powerinfer.ops.activation import activate
 from powerinfer.ops.linear import mapped_tensor
 from powerinfer.ops.quant import FLOAT_TYPES, QK, T, dequantize_rows
 
@@ -171,8 +172,6 @@ def accumulate_rows_reference(store: NeuronStore, section: Section, a: torch.Ten
 
 
 def activate_reference(activation: FFNActivation, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
-    from powerinfer.models.layers import activate
-
     return activate(up if gate is None else torch.cat([gate, up], dim=-1), activation)
 
 

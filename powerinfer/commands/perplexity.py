@@ -1,0 +1,34 @@
+"""`powerinfer perplexity`: llama.cpp-style perplexity over a text file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from powerinfer.commands.run import load_llm
+from powerinfer.errors import PowerInferError
+from powerinfer.tools.perplexity import chunks_of, perplexity
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        text = Path(args.file).read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise PowerInferError(f"cannot read {args.file}: {getattr(error, 'strerror', None) or error}") from None
+    args.ctx_size = args.ctx_size or 512  # llama-perplexity's default window
+    llm = load_llm(args)
+    tokens = llm.tokenize(text, add_bos=True)
+    bos = llm.tokenizer.bos_id if llm.tokenizer.add_bos else None
+    chunks = chunks_of(tokens, llm.n_ctx, args.chunks, bos)
+    print(f"perplexity: {len(tokens)} tokens, {len(chunks)} chunks of {llm.n_ctx}", file=sys.stderr)
+    logits_of = lambda ids: torch.from_numpy(llm.logits(ids))  # noqa: E731
+    result = None
+    for result in tqdm(perplexity(logits_of, chunks), total=len(chunks), desc="perplexity", unit="chunk", file=sys.stderr):
+        print(f"[{result.chunks}]{result.ppl:.4f},", end="", flush=True)
+    print()
+    print(f"Final estimate: PPL = {result.ppl:.4f} +/- {result.error:.5f}")
+    return 0

@@ -1,0 +1,1 @@
+"""Activation sparsity: profiling which FFN neurons fire, and predicting them."""

@@ -1,0 +1,157 @@
+"""Which FFN neurons fire, counted over calibration text (PowerInfer's activation statistics).
+
+"Fired" means a non-zero output for ReLU-family activations; for SiLU/GELU-gated models, whose
+activations are never exactly zero, |act(gate) * up| above a per-layer threshold calibrated on the
+same text, for a target sparsity (the fraction of neurons skipped per token) or for a target error
+(the largest sparsity whose mean relative error of the FFN output stays below it).
+
+Output, PowerInfer's layout: DIR/activation/activation_{i}.pt, a 1-D int64 tensor of length n_ff
+per layer (how often each neuron fired), plus DIR/activation/profile.json with the thresholds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from powerinfer.errors import PowerInferError
+from powerinfer.models.base import CausalLM
+from powerinfer.runtime.engine import Engine
+from powerinfer.sparsity.files import atomic_directory
+
+MIN_CALIBRATION_TOKENS = 1024
+HISTOGRAM_BINS = 4096
+LOG2_RANGE = (-40.0, 24.0)  # |activation| from 1e-12 to 1.6e7
+ERROR_SAMPLE_ROWS = 1024  # token rows per layer kept to measure output error
+CANDIDATE_SPARSITIES = [i / 40 for i in range(1, 40)]
+
+
+@dataclass
+class ActivationProfile:
+    activation: str
+    tokens: int
+    thresholds: list[float]
+    counts: list[torch.Tensor] = field(repr=False)
+    target_sparsity: float | None = None
+    target_error: float | None = None
+
+    @property
+    def sparsity(self) -> list[float]:
+        """Per layer, the mean fraction of neurons that did not fire per token."""
+        return [1.0 - float(c.sum()) / (self.tokens * len(c)) for c in self.counts]
+
+    def save(self, directory: str | Path) -> None:
+        """Write DIR/activation/ (replacing it as a whole, only once everything is written)."""
+        with atomic_directory(Path(directory) / "activation") as staging:
+            for i, counts in enumerate(self.counts):
+                torch.save(counts.to(torch.int64), staging / f"activation_{i}.pt")
+            meta = {k: v for k, v in asdict(self).items() if k != "counts"}
+            meta["sparsity"] = self.sparsity
+            (staging / "profile.json").write_text(json.dumps(meta, indent=1))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "ActivationProfile":
+        """Read a profile directory (ours, or PowerInfer's activation/ without profile.json)."""
+        directory = Path(directory)
+        folder = directory / "activation" if (directory / "activation").is_dir() else directory
+        files = sorted(folder.glob("activation_*.pt"), key=lambda p: int(p.stem.split("_")[-1]))
+        if not files:
+            raise PowerInferError(f"{directory}: no activation_*.pt files")
+        counts = [torch.load(f, map_location="cpu", weights_only=True).flatten() for f in files]
+        meta_path = folder / "profile.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        return cls(meta.get("activation", "relu"), int(meta.get("tokens", 0)) or int(max(c.max() for c in counts)),
+                   list(meta.get("thresholds", [0.0] * len(counts))), counts,
+                   meta.get("target_sparsity"), meta.get("target_error"))
+
+
+def calibration_chunks(ids: Sequence[int], n_tokens: int | None, chunk: int) -> list[list[int]]:
+    ids = list(ids[:n_tokens] if n_tokens else ids)
+    if len(ids) < MIN_CALIBRATION_TOKENS:
+        raise PowerInferError(f"calibration text too short: {len(ids)} tokens, at least {MIN_CALIBRATION_TOKENS} needed")
+    return [ids[i : i + chunk] for i in range(0, len(ids) - chunk // 4, chunk)]  # drop a tiny tail
+
+
+def _observe(model: CausalLM, engine: Engine, chunks: list[list[int]], observer, desc: str) -> None:
+    for block in model.blocks:
+        block.observer = observer
+    try:
+        for chunk in tqdm(chunks, desc=desc, unit="chunk"):
+            engine.prefill(0, chunk, reuse_prefix=False)
+    finally:
+        for block in model.blocks:
+            block.observer = None
+
+
+def _thresholds_from_histograms(histograms: list[torch.Tensor], sparsity: float) -> list[float]:
+    low, high = LOG2_RANGE
+    edges = torch.linspace(low, high, HISTOGRAM_BINS + 1)
+    thresholds = []
+    for hist in histograms:
+        cdf = torch.cumsum(hist, 0) / hist.sum()
+        bin_index = int(torch.searchsorted(cdf, torch.tensor(sparsity)))
+        thresholds.append(float(2 ** edges[min(bin_index + 1, HISTOGRAM_BINS)]))
+    return thresholds
+
+
+def profile_activations(model: CausalLM, ids: Sequence[int], n_tokens: int | None = None, chunk: int = 512,
+                        target_sparsity: float | None = None, target_error: float | None = None) -> ActivationProfile:
+    """Count neuron firings over `ids` (calibrating thresholds first for non-ReLU models)."""
+    activation = model.config.activation
+    chunks = calibration_chunks(ids, n_tokens, chunk)
+    engine = Engine(model, chunk)
+    n_layers = model.config.n_layers
+    thresholds = [0.0] * n_layers
+    if not activation.is_relu_family:
+        if target_sparsity is None and target_error is None:
+            raise PowerInferError(f"a {activation.value} model needs --target-sparsity or --target-error to define firing")
+        histograms = [torch.zeros(HISTOGRAM_BINS) for _ in range(n_layers)]
+        samples: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+        generator = torch.Generator().manual_seed(0)
+
+        def collect(layer: int, residual: torch.Tensor, a: torch.Tensor) -> None:
+            a = a.float()  # int4 kernels give bfloat16: too coarse to count in
+            log_magnitude = torch.log2(a.abs().clamp_min(2 ** LOG2_RANGE[0]))
+            histograms[layer] += torch.histc(log_magnitude, HISTOGRAM_BINS, *LOG2_RANGE)
+            kept = sum(len(s) for s in samples[layer])
+            if target_error is not None and kept < ERROR_SAMPLE_ROWS:
+                rows = torch.randperm(len(a), generator=generator)[: max(1, ERROR_SAMPLE_ROWS // len(chunks))]
+                samples[layer].append(a[rows].clone())
+
+        _observe(model, engine, chunks, collect, "calibrating")
+        if target_error is not None:
+            target_sparsity = _sparsity_for_error(model, histograms, samples, target_error)
+        thresholds = _thresholds_from_histograms(histograms, target_sparsity)
+
+    counts = [torch.zeros(model.config.n_ff, dtype=torch.int64) for _ in range(n_layers)]
+
+    def count(layer: int, residual: torch.Tensor, a: torch.Tensor) -> None:
+        counts[layer] += (a.float().abs() > thresholds[layer]).sum(0)
+
+    _observe(model, engine, chunks, count, "profiling")
+    return ActivationProfile(activation.value, sum(len(c) for c in chunks), thresholds, counts,
+                             target_sparsity, target_error)
+
+
+def _sparsity_for_error(model: CausalLM, histograms, samples, target_error: float) -> float:
+    """The largest candidate sparsity whose FFN outputs, on sampled tokens of every layer, keep a
+    mean relative error within `target_error`."""
+    best = 0.0
+    with torch.inference_mode():
+        exact = [block.ffn.project(torch.cat(s)) for block, s in zip(model.blocks, samples)]
+        for sparsity in CANDIDATE_SPARSITIES:
+            thresholds = _thresholds_from_histograms(histograms, sparsity)
+            errors = []
+            for block, s, y, t in zip(model.blocks, samples, exact, thresholds):
+                a = torch.cat(s)
+                approx = block.ffn.project(a * (a.abs() > t))
+                errors.append(float(((approx - y).norm(dim=-1) / y.norm(dim=-1).clamp_min(1e-12)).mean()))
+            if max(errors) > target_error:
+                break
+            best = sparsity
+    return best

@@ -1,0 +1,69 @@
+"""Sparse FFN inference: oracle and predictor modes against dense computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from powerinfer.errors import PowerInferError
+from powerinfer.gguf import open_gguf
+from powerinfer.models import load_model
+from powerinfer.models.ffn import DenseFFN, FFNOptions, SparseFFN
+from powerinfer.runtime.engine import Engine
+
+N_CTX = 128
+
+
+def engine(path, **options) -> Engine:
+    return Engine(load_model(open_gguf(path), N_CTX, FFNOptions(**options)), N_CTX)
+
+
+def decode_logits(e: Engine, ids: list[int], prompt: int = 6) -> torch.Tensor:
+    rows = [e.prefill(0, ids[:prompt])]
+    rows += [e.decode([(0, t)])[0] for t in ids[prompt:]]
+    return torch.stack(rows)
+
+
+@pytest.fixture(scope="module")
+def ids() -> list[int]:
+    return torch.randint(0, 49152, (30,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+@pytest.fixture(scope="module")
+def relu_llama(tiny_llama):
+    hf_model, folder, ggufs = tiny_llama
+    if hf_model.config.hidden_act != "relu":
+        pytest.skip("ReLU model only")
+    return ggufs
+
+
+def test_modes_build_the_ffns_they_name(relu_llama):
+    assert all(isinstance(b.ffn, DenseFFN) for b in engine(relu_llama["q4_0"], sparsity="auto").model.blocks)
+    oracle = engine(relu_llama["q4_0"], sparsity="oracle").model.blocks
+    assert all(isinstance(b.ffn, SparseFFN) and b.ffn.mode == "oracle" for b in oracle)
+
+
+def test_oracle_equals_dense_for_relu_float_model(relu_llama, ids):
+    """ReLU: skipping exactly the neurons that do not fire changes nothing."""
+    dense = decode_logits(engine(relu_llama["f32"], sparsity="off"), ids)
+    sparse_engine = engine(relu_llama["f32"], sparsity="oracle")
+    oracle = decode_logits(sparse_engine, ids)
+    torch.testing.assert_close(oracle, dense, rtol=1e-4, atol=1e-4)
+    computed = [b.ffn.last_active for b in sparse_engine.model.blocks]
+    assert all(0 < n < b.ffn.store.n_ff for n, b in zip(computed, sparse_engine.model.blocks))  # really sparse
+
+
+def test_oracle_equals_all_neurons_on_the_same_quantized_records(relu_llama, ids):
+    oracle = decode_logits(engine(relu_llama["q4_0"], sparsity="oracle"), ids)
+    everything = engine(relu_llama["q4_0"], sparsity="oracle", thresholds=(-1.0, -1.0))  # nothing skipped
+    # Summation order differs; the bfloat16 roundings downstream may move a logit by one ulp.
+    torch.testing.assert_close(oracle, decode_logits(everything, ids), rtol=1e-2, atol=1e-2)
+
+
+def test_oracle_on_silu_model_needs_thresholds(tiny_llama):
+    hf_model, _, ggufs = tiny_llama
+    if hf_model.config.hidden_act != "silu":
+        pytest.skip("SiLU model only")
+    with pytest.raises(PowerInferError, match="needs calibrated thresholds"):
+        engine(ggufs["q4_0"], sparsity="oracle")
+    assert engine(ggufs["q4_0"], sparsity="oracle", thresholds=(0.01, 0.01)).model.blocks[0].ffn.threshold == 0.01
