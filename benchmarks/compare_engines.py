@@ -30,20 +30,28 @@ RESULTS = Path(__file__).parent / "results" / "dense_engines.md"
 # ---------------------------------------------------------------- workers (one engine each)
 
 class PowerInferWorker:
+    sparsity = "off"
+
     def __init__(self, model: str, threads: int, n_ctx: int):
         from powerinfer import LLM
 
-        self.llm = LLM(model, threads=threads, n_ctx=n_ctx)
+        self.llm = LLM(model, threads=threads, n_ctx=n_ctx, sparsity=self.sparsity)
 
     def prefill(self, ids: list[int]) -> None:
         self.llm.engine.release(0)
         self.llm.engine.prefill(0, ids)
 
-    def decode(self, token: int, n: int) -> None:
+    def decode(self, tokens: list[int]) -> None:
         engine = self.llm.engine
         engine.release(0)
-        for _ in range(n):
+        for token in tokens:
             engine.decode([(0, token)])
+
+
+class PowerInferSparseWorker(PowerInferWorker):
+    """A PowerInfer GGUF with predictors: each token computes only the predicted FFN neurons."""
+
+    sparsity = "auto"
 
 
 class LlamaCppWorker:
@@ -68,9 +76,9 @@ class LlamaCppWorker:
         self._clear()
         self._eval(ids)
 
-    def decode(self, token: int, n: int) -> None:
+    def decode(self, tokens: list[int]) -> None:
         self._clear()
-        for _ in range(n):
+        for token in tokens:
             self._eval([token])
             self.lib.llama_get_logits_ith(self.ctx, -1)
 
@@ -91,17 +99,17 @@ class TransformersWorker:
         with self.torch.inference_mode():
             self.model(self.torch.tensor([ids]), use_cache=True)
 
-    def decode(self, token: int, n: int) -> None:
+    def decode(self, tokens: list[int]) -> None:
         from transformers import DynamicCache
 
         cache = DynamicCache()
-        step = self.torch.tensor([[token]])
         with self.torch.inference_mode():
-            for _ in range(n):
-                self.model(step, past_key_values=cache, use_cache=True)
+            for token in tokens:
+                self.model(self.torch.tensor([[token]]), past_key_values=cache, use_cache=True)
 
 
-WORKERS = {"powerinfer": PowerInferWorker, "llama.cpp": LlamaCppWorker, "transformers": TransformersWorker}
+WORKERS = {"powerinfer": PowerInferWorker, "powerinfer-sparse": PowerInferSparseWorker, "llama.cpp": LlamaCppWorker,
+           "transformers": TransformersWorker}
 
 
 def worker_main(engine: str, model: str, threads: int, n_ctx: int) -> None:
@@ -114,7 +122,7 @@ def worker_main(engine: str, model: str, threads: int, n_ctx: int) -> None:
         if request["test"] == "pp":
             worker.prefill(request["ids"])
         else:
-            worker.decode(request["token"], request["n"])
+            worker.decode(request["tokens"])
         seconds = time.perf_counter() - started
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         print(json.dumps({"seconds": seconds, "peak_rss": peak}), flush=True)
@@ -170,7 +178,8 @@ def main() -> None:
     parser.add_argument("--n-prompt", type=int, default=512)
     parser.add_argument("--n-gen", type=int, default=128)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--engines", nargs="+", default=list(WORKERS), choices=list(WORKERS))
+    parser.add_argument("--engines", nargs="+", default=["powerinfer", "llama.cpp", "transformers"], choices=list(WORKERS))
+    parser.add_argument("--sparse-model", help="PowerInfer GGUF with predictors for the powerinfer-sparse engine")
     parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--n-ctx", type=int, default=1024, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -185,12 +194,17 @@ def main() -> None:
     if "llama.cpp" in args.engines:
         ensure_llama_cpp()
 
-    import torch
+    if "powerinfer-sparse" in args.engines and not args.sparse_model:
+        parser.error("the powerinfer-sparse engine needs --sparse-model")
+    from powerinfer import LLM
 
-    ids = torch.randint(100, 40000, (args.n_prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    # Real text (wikitext-2 test), so that predictors see the kind of input they were trained for.
+    text = (Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt").read_text()[:200000]
+    ids = LLM(args.model, n_ctx=64).tokenize(text, add_bos=False)[: args.n_prompt + args.n_gen]
     n_ctx = args.n_prompt + args.n_gen + 8
-    engines = [Engine(name, args.model, args.threads, n_ctx) for name in args.engines]
-    requests = [{"test": "pp", "ids": ids}, {"test": "tg", "token": ids[0], "n": args.n_gen}]
+    engines = [Engine(name, args.sparse_model if name == "powerinfer-sparse" else args.model, args.threads, n_ctx)
+               for name in args.engines]
+    requests = [{"test": "pp", "ids": ids[: args.n_prompt]}, {"test": "tg", "tokens": ids[args.n_prompt :]}]
     for engine in engines:  # warm-up, not recorded
         for request in requests:
             engine.run(request)
@@ -223,13 +237,15 @@ def main() -> None:
         "",
         f"Measured {datetime.date.today().isoformat()} on {machine_description()}; torch {_torch.__version__}.",
         f"Model: `{Path(args.model).name}`; {args.threads} threads; medians of {args.reps} interleaved repetitions",
-        "(after one warm-up each). Decode: tg = single-token steps from an empty cache, as llama-bench's tgN;",
-        "prefill: one batch of random tokens from an empty cache. llama.cpp runs through llama-cpp-python's C API",
+        "(after one warm-up each). Decode: tg = single-token steps from an empty cache over wikitext-2 test tokens;",
+        "prefill: one batch of wikitext-2 test tokens from an empty cache. powerinfer-sparse: the PowerInfer GGUF",
+        f"`{Path(args.sparse_model).name if args.sparse_model else '-'}` (predictors) with `sparsity=\"auto\"`. llama.cpp runs through llama-cpp-python's C API",
         f"({LLAMA_CPP_PYTHON}, built from source here); transformers loads the same GGUF dequantized to float32.",
         "",
         table,
         "",
-        f"Command: `.venv/bin/python benchmarks/compare_engines.py --threads {args.threads} --reps {args.reps}`",
+        f"Command: `.venv/bin/python benchmarks/compare_engines.py --threads {args.threads} --reps {args.reps} "
+        f"--engines {' '.join(args.engines)}{' --sparse-model FILE' if args.sparse_model else ''}`",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(report) + "\n")

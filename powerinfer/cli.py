@@ -38,13 +38,47 @@ def positive_float(text: str) -> float:
     return value
 
 
-def add_model_options(parser: argparse.ArgumentParser, ctx: bool = True) -> None:
+def rank_list(text: str) -> tuple[int, ...]:
+    try:
+        ranks = tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not ranks or ranks[0] < 1:
+        raise argparse.ArgumentTypeError(f"ranks must be >= 1, got {text!r}")
+    return ranks
+
+
+def add_model_options(parser: argparse.ArgumentParser, ctx: bool = True, sparsity: bool = True) -> None:
     parser.add_argument("-m", "--model", help="GGUF or PowerInfer GGUF file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use)")
     parser.add_argument("-t", "--threads", type=positive_int, help="CPU threads (default: torch's choice, the physical cores)")
     if ctx:
         parser.add_argument("-c", "--ctx-size", type=positive_int, help="context size in tokens (default: min(4096, training context))")
     parser.add_argument("--dtype", choices=["auto", "float32"], default="auto",
                         help="auto: compact weights on fast kernels; float32: dequantize everything (exact, slow)")
+    if sparsity:
+        parser.add_argument("--sparsity", choices=["auto", "off", "oracle"], default="auto",
+                            help="auto: compute only the FFN neurons the file's predictors expect to fire (dense without "
+                                 "predictors); off: dense; oracle: skip exactly the neurons that do not fire (verification)")
+        add_hybrid_options(parser)
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_hybrid_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--vram-budget", type=non_negative_float, metavar="GB",
+                        help="accelerator memory in GiB: the hottest FFN neurons run there (default: CPU only)")
+    parser.add_argument("--activations", metavar="DIR", help="activation statistics for placing neurons "
+                        "(default: activation/ next to the model, else all neurons alike)")
+    index = parser.add_mutually_exclusive_group()
+    index.add_argument("--reset-gpu-index", action="store_true", help="rebuild <model>.generated.gpuidx")
+    index.add_argument("--disable-gpu-index", action="store_true", help="no FFN offloading: ignore the GPU index")
+    parser.add_argument("--accelerator", metavar="DEVICE",
+                        help="torch device for hot neurons (default: cuda when present; cpu runs the split on the CPU)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +94,15 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
 def sampling_from_args(args: argparse.Namespace) -> dict:
     return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
+
+
+def add_calibration_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-f", "--file", required=True, help="calibration text (e.g. wikitext-2 valid.txt; never the test text)")
+    parser.add_argument("--tokens", type=positive_int, default=32768, help="calibration tokens (default: 32768)")
+    parser.add_argument("--chunk", type=positive_int, default=512, help="tokens per forward pass (default: 512)")
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--target-sparsity", type=unit_interval, help="SiLU/GELU models: fraction of neurons to skip")
+    target.add_argument("--target-error", type=positive_float, help="SiLU/GELU models: max mean relative FFN error")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,19 +131,56 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("-p", "--n-prompt", type=positive_int, default=512, help="prompt tokens for the pp test (default: 512)")
     bench.add_argument("-n", "--n-gen", type=positive_int, default=128, help="tokens for the tg test (default: 128)")
     bench.add_argument("-r", "--repetitions", type=positive_int, default=5, help="repetitions of each test (default: 5)")
+
+    serve = commands.add_parser("serve", help="HTTP server: OpenAI-compatible and llama.cpp-style routes, continuous batching")
+    add_model_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 = any free port)")
+    serve.add_argument("-np", "--parallel", type=positive_int, default=4,
+                       help="sequences decoded together (KV-cache slots); more requests wait in a queue (default: 4)")
     ppl = commands.add_parser("perplexity", help="perplexity of a text file (llama.cpp's method)")
     add_model_options(ppl)
     ppl.add_argument("-f", "--file", required=True, help="text file (e.g. wikitext-2 test.txt)")
     ppl.add_argument("--chunks", type=int, default=None, help="evaluate at most this many chunks (default: all)")
     profile = commands.add_parser("profile", help="count which FFN neurons fire over calibration text")
-    add_model_options(profile, ctx=False)
-    profile.add_argument("-f", "--file", required=True, help="calibration text (e.g. wikitext-2 valid.txt)")
+    add_model_options(profile, ctx=False, sparsity=False)
+    add_calibration_options(profile)
     profile.add_argument("-o", "--output", required=True, help="output directory (gets activation/)")
-    profile.add_argument("--tokens", type=positive_int, default=32768, help="calibration tokens (default: 32768)")
-    profile.add_argument("--chunk", type=positive_int, default=512, help="tokens per forward pass (default: 512)")
-    target = profile.add_mutually_exclusive_group()
-    target.add_argument("--target-sparsity", type=unit_interval, help="SiLU/GELU models: fraction of neurons to skip")
-    target.add_argument("--target-error", type=positive_float, help="SiLU/GELU models: max mean relative FFN error")
+
+    train = commands.add_parser("train-predictors", help="train per-layer activation predictors (PowerInfer's format)")
+    add_model_options(train, ctx=False, sparsity=False)
+    add_calibration_options(train)
+    train.add_argument("-o", "--output", required=True, help="predictor directory to write (model_{i}.pt, config.json)")
+    train.add_argument("--recall", type=unit_interval, default=0.99, help="recall target per layer (default: 0.99)")
+    train.add_argument("--ranks", type=rank_list, default=(32, 64, 128, 256, 512),
+                       help="candidate predictor ranks; the smallest that keeps near-best sparsity wins (default: 32,64,128,256,512)")
+    train.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps per fit (default: 1000)")
+
+    convert = commands.add_parser("convert", help="Hugging Face folder or GGUF -> GGUF (PowerInfer GGUF with predictors)")
+    convert.add_argument("source", help="Hugging Face checkpoint folder, GGUF or PowerInfer GGUF file")
+    convert.add_argument("predictors", nargs="?", help="predictor directory (model_{i}.pt, config.json) -> PowerInfer GGUF")
+    convert.add_argument("--outfile", required=True, help="output file")
+    convert.add_argument("--outtype", help="f32, f16, q8_0, q4_0 or q4_1 (default: f16 from Hugging Face, "
+                                           "the source's types from GGUF)")
+
+    quantize = commands.add_parser("quantize", help="re-encode a (PowerInfer) GGUF's weights as Q4_0, Q4_1 or Q8_0")
+    quantize.add_argument("input", help="GGUF or PowerInfer GGUF file")
+    quantize.add_argument("output", help="output file")
+    quantize.add_argument("type", help="Q4_0, Q4_1 or Q8_0")
+
+    place = commands.add_parser("place", help="solve which FFN neurons go to the accelerator for a VRAM budget")
+    place.add_argument("-m", "--model", required=True, help="GGUF or PowerInfer GGUF file")
+    place.add_argument("--vram-budget", type=non_negative_float, required=True, metavar="GB", help="accelerator memory in GiB")
+    place.add_argument("--activations", metavar="DIR", help="activation statistics (default: activation/ next to the model)")
+    place.add_argument("-c", "--ctx-size", type=positive_int, help="context the KV cache is sized for (default: min(4096, training context))")
+    place.add_argument("-o", "--write-index", nargs="?", const="", metavar="PATH",
+                       help="write the GPU index (default path: <model>.generated.gpuidx); without it nothing is written")
+    place.add_argument("--group-size", type=positive_int, default=64, help="neurons placed together (default: 64)")
+    cpu = place.add_mutually_exclusive_group()
+    cpu.add_argument("--cpu-bandwidth", type=positive_float, metavar="GB/s", help="CPU memory bandwidth (default: 24)")
+    cpu.add_argument("--measure", action="store_true", help="measure this machine's CPU memory bandwidth instead")
+    place.add_argument("--accelerator-bandwidth", type=positive_float, default=700.0, metavar="GB/s", help="default: 700")
+    place.add_argument("--sync-us", type=non_negative_float, default=30.0, help="per-layer round trip in microseconds (default: 30)")
 
     inspect = commands.add_parser("inspect", help="plot activation statistics (the power-law figure)")
     inspect.add_argument("--activations", required=True, help="profile directory (with activation/)")

@@ -17,6 +17,7 @@ from powerinfer.hub import resolve_model
 from powerinfer.models import load_model
 from powerinfer.models.ffn import FFNOptions, SparsityMode
 from powerinfer.runtime.engine import Engine
+from powerinfer.runtime.hybrid import GPUIndexMode, hybrid_options
 from powerinfer.runtime.sampling import SamplingParams
 from powerinfer.runtime.sequence import Completion, GenerationSequence
 from powerinfer.tokenizer import Tokenizer
@@ -52,11 +53,19 @@ class LLM:
     when the file has no predictors); "off" computes all of them; "oracle" computes every activation
     and skips the neurons with |activation| <= a per-layer threshold (`thresholds`, else the file's
     calibrated ones, else 0 for ReLU-family models) in the down projection: for verification.
+
+    `vram_budget` (GiB): run each FFN's hottest neurons on the accelerator (`accelerator`, default
+    CUDA when present; "cpu" runs the same split on the CPU, for tests), placed by the solver from
+    activation statistics (`activations` directory, else activation/ next to the model, else
+    uniform) or read from `<model>.generated.gpuidx`; `gpu_index`: "reuse" the index while the
+    budget covers it, "reset" to rebuild it, "disable" to keep FFNs on the CPU. See docs/hybrid.md.
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *, threads: int | None = None,
                  n_ctx: int | None = None, n_batch: int = 512, dtype: Literal["auto", "float32"] = "auto",
-                 sparsity: SparsityMode = "auto", thresholds: Sequence[float] | None = None):
+                 sparsity: SparsityMode = "auto", thresholds: Sequence[float] | None = None,
+                 vram_budget: float | None = None, gpu_index: GPUIndexMode = "reuse",
+                 activations: str | os.PathLike[str] | None = None, accelerator: str | torch.device | None = None):
         if dtype not in ("auto", "float32"):
             raise PowerInferError(f"unknown dtype {dtype!r} (expected 'auto' or 'float32')")
         if sparsity not in ("auto", "off", "oracle"):
@@ -75,7 +84,13 @@ class LLM:
             raise PowerInferError("n_ctx must be >= 1")
         if thresholds is not None and len(thresholds) != self.config.n_layers:
             raise PowerInferError(f"{len(thresholds)} thresholds given for a model of {self.config.n_layers} layers")
-        options = FFNOptions(sparsity, dtype == "float32", tuple(thresholds) if thresholds is not None else None)
+        if vram_budget is not None and dtype == "float32":
+            raise PowerInferError("a VRAM budget needs dtype 'auto' (float32 mode runs dense on the CPU)")
+        self.hybrid = None if vram_budget is None else hybrid_options(
+            gguf, self.config, self.path, self.n_ctx, vram_budget, gpu_index=gpu_index, activations=activations,
+            accelerator=accelerator)
+        options = FFNOptions(sparsity, dtype == "float32", tuple(thresholds) if thresholds is not None else None,
+                             self.hybrid)
         self.model = load_model(gguf, self.n_ctx, options)
         self.file_size = gguf.file_size
         self.n_params = sum(t.n_elements for t in gguf.tensors.values())
@@ -120,6 +135,12 @@ class LLM:
         ids = self._prompt_ids(prompt)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         return GenerationSequence(ids, self.tokenizer, sampling, max_tokens, stops, context_left=self.n_ctx - len(ids))
+
+    def new_sequence(self, prompt: Prompt, max_tokens: int = 128, stop: Sequence[str] | str | None = None,
+                     **sampling) -> GenerationSequence:
+        """The checked generation `generate` would run, for an engine of one's own (the server's
+        scheduler runs many of them on one multi-slot engine)."""
+        return self._sequence(prompt, max_tokens, stop, SamplingParams(**sampling))
 
     def _run(self, sequence: GenerationSequence, cache_prompt: bool, slot: int = 0) -> Iterator[str]:
         timings = sequence.timings

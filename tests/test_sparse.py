@@ -67,3 +67,14 @@ def test_oracle_on_silu_model_needs_thresholds(tiny_llama):
     with pytest.raises(PowerInferError, match="needs calibrated thresholds"):
         engine(ggufs["q4_0"], sparsity="oracle")
     assert engine(ggufs["q4_0"], sparsity="oracle", thresholds=(0.01, 0.01)).model.blocks[0].ffn.threshold == 0.01
+
+
+def test_prefill_skips_the_same_neurons_as_token_by_token_decode(tiny_llama, ids):
+    """Many rows run as masked dense GEMMs: the same neurons skipped per token as in decode."""
+    _, _, ggufs = tiny_llama
+    thresholds = (0.05, 0.05)
+    sparse, dense = engine(ggufs["f32"], sparsity="oracle", thresholds=thresholds), engine(ggufs["f32"], sparsity="off")
+    prefilled = sparse.all_logits(ids)
+    decoded = decode_logits(engine(ggufs["f32"], sparsity="oracle", thresholds=thresholds), ids, prompt=1)
+    torch.testing.assert_close(prefilled, decoded, rtol=1e-4, atol=1e-4)
+    assert (prefilled - dense.all_logits(ids)).abs().max() > 1e-3  # neurons really were skipped

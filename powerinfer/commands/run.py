@@ -14,7 +14,16 @@ from powerinfer.runtime.sequence import Completion
 def load_llm(args: argparse.Namespace):
     from powerinfer.llm import LLM
 
-    return LLM(args.model, threads=args.threads, n_ctx=getattr(args, "ctx_size", None), dtype=args.dtype)
+    return LLM(args.model, threads=args.threads, n_ctx=getattr(args, "ctx_size", None), dtype=args.dtype,
+               sparsity=getattr(args, "sparsity", "off"), **hybrid_arguments(args))
+
+
+def hybrid_arguments(args: argparse.Namespace) -> dict:
+    """LLM keywords from the --vram-budget family of flags (absent on some commands)."""
+    gpu_index = "reset" if getattr(args, "reset_gpu_index", False) else \
+        "disable" if getattr(args, "disable_gpu_index", False) else "reuse"
+    return dict(vram_budget=getattr(args, "vram_budget", None), gpu_index=gpu_index,
+                activations=getattr(args, "activations", None), accelerator=getattr(args, "accelerator", None))
 
 
 def max_tokens(n_predict: int, llm) -> int:

@@ -10,6 +10,7 @@ from powerinfer.gguf.writer import TensorData
 
 T = GGMLQuantizationType
 OUTTYPES = {"f32": T.F32, "f16": T.F16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1}
+QUANTIZE_TYPES = ("q4_0", "q4_1", "q8_0")
 # `general.file_type` uses llama.cpp's file-type numbers, which differ from tensor-type numbers.
 FILE_TYPES = {
     T.F32: LlamaFileType.ALL_F32, T.F16: LlamaFileType.MOSTLY_F16, T.Q8_0: LlamaFileType.MOSTLY_Q8_0,

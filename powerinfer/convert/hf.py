@@ -12,17 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from gguf import MODEL_ARCH, GGMLQuantizationType, get_tensor_name_map
-from tqdm import tqdm
 
 from powerinfer.config import ACTIVATION_KEY, HF_GATED_ACTIVATIONS
-from powerinfer.convert.encode import FILE_TYPES, encode_tensor
+from powerinfer.convert.model import ModelSource, write_model
 from powerinfer.convert.tokenizer import tokenizer_metadata
 from powerinfer.errors import ModelFileError, UnsupportedModelError
-from powerinfer.gguf.writer import TensorData, write_gguf
-
-LLAMA_CLASSES = {"LlamaForCausalLM", "MistralForCausalLM"}
 
 
 @dataclass
@@ -102,13 +99,14 @@ def llama_metadata(ckpt: HFCheckpoint) -> tuple[str, dict[str, Any]]:
     return arch, meta
 
 
-def llama_tensors(ckpt: HFCheckpoint, outtype: GGMLQuantizationType, progress: bool) -> Iterator[TensorData]:
+def llama_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array) for every weight, Q and K permuted as llama.cpp does."""
     c = ckpt.config
     n_head = c["num_attention_heads"]
     n_head_kv = c.get("num_key_value_heads") or n_head
     names = get_tensor_name_map(MODEL_ARCH.LLAMA, c["num_hidden_layers"])
     tied = c.get("tie_word_embeddings", False)
-    for hf_name, tensor in tqdm(ckpt.tensors(), desc="converting", unit="tensor", disable=not progress):
+    for hf_name, tensor in ckpt.tensors():
         if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -118,17 +116,31 @@ def llama_tensors(ckpt: HFCheckpoint, outtype: GGMLQuantizationType, progress: b
             tensor = _permute_qk(tensor, n_head)
         elif name.endswith("attn_k.weight"):
             tensor = _permute_qk(tensor, n_head_kv)
-        yield encode_tensor(name, tensor.numpy(), outtype)
+        yield name, tensor.numpy()
+
+
+# Hugging Face architecture class -> (metadata, tensors) readers.
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": (llama_metadata, llama_tensors),
+    "MistralForCausalLM": (llama_metadata, llama_tensors),
+}
+
+
+def hf_source(folder: str | Path) -> ModelSource:
+    """A Hugging Face checkpoint folder as a conversion source."""
+    ckpt = HFCheckpoint.open(folder)
+    readers = HF_ARCHITECTURES.get(ckpt.architecture_class)
+    if readers is None:
+        raise UnsupportedModelError(f"{ckpt.folder}: unsupported architecture {ckpt.architecture_class} "
+                                    f"(supported: {', '.join(HF_ARCHITECTURES)})")
+    read_metadata, read_tensors = readers
+    arch, meta = read_metadata(ckpt)
+    meta["general.name"] = ckpt.folder.name
+    meta.update(tokenizer_metadata(ckpt.folder, n_vocab=int(ckpt.config["vocab_size"])))
+    return ModelSource(ckpt.folder, arch, meta, {}, read_tensors(ckpt),
+                       *(int(meta[f"{arch}.{k}"]) for k in ("block_count", "embedding_length", "feed_forward_length")))
 
 
 def convert_hf(folder: str | Path, outfile: str | Path, outtype: GGMLQuantizationType, progress: bool = True) -> None:
     """Convert a Hugging Face checkpoint folder to a GGUF file."""
-    ckpt = HFCheckpoint.open(folder)
-    if ckpt.architecture_class not in LLAMA_CLASSES:
-        raise UnsupportedModelError(f"{ckpt.folder}: unsupported architecture {ckpt.architecture_class}")
-    arch, meta = llama_metadata(ckpt)
-    meta["general.name"] = ckpt.folder.name
-    meta["general.file_type"] = int(FILE_TYPES[outtype])
-    meta.update(tokenizer_metadata(ckpt.folder, n_vocab=int(ckpt.config["vocab_size"])))
-    write_gguf(outfile, arch, meta, llama_tensors(ckpt, outtype, progress), progress=False)
-
+    write_model(hf_source(folder), outfile, outtype, progress=progress)

@@ -46,6 +46,11 @@ class _MagicTolerantReader(GGUFReader):
         return values
 
 
+def tolerant_reader(path: str | os.PathLike[str]) -> GGUFReader:
+    """The `gguf` package's reader for GGUF or PowerInfer GGUF (for tools that need its fields)."""
+    return _MagicTolerantReader(path)
+
+
 @dataclass(frozen=True)
 class GGUFTensor:
     """One tensor: its ggml type, its shape in torch order (rows first) and its raw bytes (mapped)."""

@@ -60,14 +60,15 @@ def _add_value(writer: GGUFWriter, key: str, value: Any) -> None:
 
 def write_gguf(path: str | os.PathLike[str], architecture: str, metadata: dict[str, Any],
                tensors: Iterable[TensorData], powerinfer: bool = False,
-               typed_metadata: dict[str, tuple[Any, GGUFValueType]] | None = None, progress: bool = False) -> None:
+               typed_metadata: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]] | None = None,
+               progress: bool = False) -> None:
     """Write a GGUF file (magic `PWRI` when `powerinfer`), replacing `path` only when complete."""
     with atomic_output(path) as tmp:
         writer = GGUFWriter(tmp, architecture)
         for key, value in metadata.items():
             _add_value(writer, key, value)
-        for key, (value, vtype) in (typed_metadata or {}).items():
-            writer.add_key_value(key, value, vtype)
+        for key, (value, vtype, sub_type) in (typed_metadata or {}).items():
+            writer.add_key_value(key, value, vtype, sub_type)
         for t in tensors:
             writer.add_tensor(t.name, t.data, raw_dtype=t.ggml_type if t.data.dtype == np.uint8 else None)
         writer.write_header_to_file()

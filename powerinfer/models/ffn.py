@@ -8,7 +8,7 @@ block input before the FFN norm, the predictor's input (as in PowerInfer).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +22,11 @@ from powerinfer.ops.linear import DenseLinear, Linear, mapped_tensor
 from powerinfer.ops.neuron import NeuronStore, accumulate_rows, gather_matvec, sparse_ffn
 from powerinfer.ops.quant import FLOAT_TYPES, T, dequantize_rows
 
+if TYPE_CHECKING:
+    from powerinfer.runtime.hybrid import HybridOptions
+
 SparsityMode = Literal["auto", "off", "oracle"]
-MAX_SPARSE_ROWS = 8  # beyond this many tokens at once (prefill) the FFN runs dense
+MAX_SPARSE_ROWS = 8  # beyond this many tokens at once (prefill) the FFN runs as masked dense GEMMs
 
 
 class DenseFFN:
@@ -113,15 +116,27 @@ class SparseFFN:
             return self._dense(a, self._weights(self.store.down, idx))
         return accumulate_rows(self.store, self.store.down, a, self._all if idx is None else idx)
 
+    def fired(self, a: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """Which neurons each row computes ([rows, n_ff] bool): the predictor's choice ("auto") or
+        those whose |activation| exceeds the threshold ("oracle")."""
+        if self.mode == "oracle":
+            return a.abs() > self.threshold
+        return self.predictor.scores(h if residual is None else residual) >= self.predictor.threshold
+
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if h.shape[0] > MAX_SPARSE_ROWS or self.mode == "off":
-            if h.shape[0] > MAX_SPARSE_ROWS:
-                return self.project(self.activations(h))
+        if h.shape[0] > MAX_SPARSE_ROWS:
+            # Many rows (prefill, perplexity): dense GEMMs, with each row's skipped neurons zeroed,
+            # which is what computing only the chosen neurons per token gives.
+            a = self.activations(h)
+            if self.mode != "off":
+                a = a * self.fired(a, h, residual)
+            return self.project(a)
+        if self.mode == "off":
             self.last_active = self.store.n_ff
             return sparse_ffn(self.store, self.activation, h, self._all)
         if self.mode == "oracle":
             a = self.activations(h)
-            fired = a.abs() > self.threshold
+            fired = self.fired(a, h, residual)
             idx = torch.nonzero(fired.any(0) if fired.shape[0] > 1 else fired[0]).flatten()
             self.last_active = len(idx)
             return self.project((a * fired)[:, idx], idx)
@@ -139,11 +154,13 @@ class SparseFFN:
 @dataclass(frozen=True)
 class FFNOptions:
     """How FFNs are built. `thresholds`: per-layer |activation| thresholds for oracle mode
-    (default: the file's calibrated ones; 0 for ReLU-family models)."""
+    (default: the file's calibrated ones; 0 for ReLU-family models). `hybrid`: hot neurons per layer
+    and the accelerator they run on (a layer with hot neurons is always built sparse)."""
 
     sparsity: SparsityMode = "auto"
     float32: bool = False
     thresholds: tuple[float, ...] | None = None
+    hybrid: HybridOptions | None = None
 
 
 ACTIVATION_THRESHOLDS_KEY = "powerinfer.activation_thresholds"  # ours: calibrated |a| thresholds per layer
@@ -196,8 +213,9 @@ def build_ffn(gguf: GGUFFile, layer: int, activation: FFNActivation, linear, opt
     """The FFN of block `layer`; `linear(*names)` builds a dense projection from tensor names."""
     name = lambda part: f"blk.{layer}.{part}.weight"  # noqa: E731
     stored_down_t = name("ffn_down_t") in gguf.tensors
-    if options.float32 or (options.sparsity == "off" and not stored_down_t) or (
-            options.sparsity == "auto" and not has_predictors(gguf) and not stored_down_t):
+    hybrid = options.hybrid is not None and options.hybrid.has_hot(layer)
+    if options.float32 or (not hybrid and options.sparsity == "off" and not stored_down_t) or (
+            not hybrid and options.sparsity == "auto" and not has_predictors(gguf) and not stored_down_t):
         up = [name("ffn_gate"), name("ffn_up")] if activation.is_gated else [name("ffn_up")]
         if stored_down_t:  # dense from a PowerInfer file: the down projection is the transpose
             down = DenseLinear(_dequantized(gguf.tensor(name("ffn_down_t"))).T.contiguous())
@@ -207,7 +225,9 @@ def build_ffn(gguf: GGUFFile, layer: int, activation: FFNActivation, linear, opt
     store = NeuronStore(gguf.tensor(name("ffn_gate")) if activation.is_gated else None, gguf.tensor(name("ffn_up")),
                         down_rows(gguf, layer))
     if options.sparsity == "oracle":
-        return SparseFFN(store, activation, "oracle", threshold=_oracle_threshold(gguf, layer, activation, options))
-    if options.sparsity == "auto" and has_predictors(gguf):
-        return SparseFFN(store, activation, "auto", predictor=_predictor(gguf, layer))
-    return SparseFFN(store, activation, "off")
+        ffn = SparseFFN(store, activation, "oracle", threshold=_oracle_threshold(gguf, layer, activation, options))
+    elif options.sparsity == "auto" and has_predictors(gguf):
+        ffn = SparseFFN(store, activation, "auto", predictor=_predictor(gguf, layer))
+    else:
+        ffn = SparseFFN(store, activation, "off")
+    return options.hybrid.wrap(ffn, layer) if hybrid else ffn

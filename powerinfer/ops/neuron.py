@@ -119,21 +119,25 @@ class NeuronStore:
 
     def weights(self, section: Section, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Exact float32 weights of `section` for neurons `idx` (all when None): [n, n_values]."""
-        rows = self.records if idx is None else self.records[idx]
-        n = rows.shape[0]
-        if section.bits == 32:
-            return rows[:, section.q_off : section.q_off + 4 * section.n_values].contiguous().view(torch.float32)
-        d = rows[:, section.d_off : section.d_off + 2 * section.n_blocks].contiguous().view(torch.float16).float()
-        if section.bits == 8:
-            q = rows[:, section.q_off : section.q_off + section.n_values].contiguous().view(torch.int8).float()
-            return (q.view(n, -1, QK) * d[..., None]).view(n, -1)
-        packed = rows[:, section.q_off : section.q_off + section.n_values // 2].view(n, -1, QK // 2)
-        q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
-        if section.m_off >= 0:
-            m = rows[:, section.m_off : section.m_off + 2 * section.n_blocks].contiguous().view(torch.float16).float()
-        else:
-            m = -8.0 * d
-        return (q * d[..., None] + m[..., None]).view(n, -1)
+        return dequantize_records(self.records if idx is None else self.records[idx], section)
+
+
+def dequantize_records(rows: torch.Tensor, section: Section) -> torch.Tensor:
+    """Exact float32 weights of `section` from neuron records [n, record_bytes] on any device."""
+    n = rows.shape[0]
+    if section.bits == 32:
+        return rows[:, section.q_off : section.q_off + 4 * section.n_values].contiguous().view(torch.float32)
+    d = rows[:, section.d_off : section.d_off + 2 * section.n_blocks].contiguous().view(torch.float16).float()
+    if section.bits == 8:
+        q = rows[:, section.q_off : section.q_off + section.n_values].contiguous().view(torch.int8).float()
+        return (q.view(n, -1, QK) * d[..., None]).view(n, -1)
+    packed = rows[:, section.q_off : section.q_off + section.n_values // 2].view(n, -1, QK // 2)
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+    if section.m_off >= 0:
+        m = rows[:, section.m_off : section.m_off + 2 * section.n_blocks].contiguous().view(torch.float16).float()
+    else:
+        m = -8.0 * d
+    return (q * d[..., None] + m[..., None]).view(n, -1)
 
 
 # ---------------------------------------------------------------- operators and their references
@@ -149,12 +153,17 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def gather_matvec_reference(store: NeuronStore, section: Section, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    w = store.weights(section, idx)
+    return matvec_records(store.records[idx], section, x)
+
+
+def matvec_records(rows: torch.Tensor, section: Section, x: torch.Tensor) -> torch.Tensor:
+    """y[m, j] = W_j . x[m] for neuron records [n, record_bytes] on any device, in the native
+    kernels' arithmetic (x rounded to int8 per block for 4/8-bit rows, exact block sums)."""
+    w = dequantize_records(rows, section)
     if section.bits == 32:
         return x.float() @ w.T
     n = w.shape[0]
     q, scale, sums = quantize_activations(x)
-    rows = store.records[idx]
     d = rows[:, section.d_off : section.d_off + 2 * section.n_blocks].contiguous().view(torch.float16).float()
     if section.bits == 8:
         m = torch.zeros_like(d)

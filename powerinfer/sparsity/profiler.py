@@ -77,7 +77,8 @@ def calibration_chunks(ids: Sequence[int], n_tokens: int | None, chunk: int) -> 
     return [ids[i : i + chunk] for i in range(0, len(ids) - chunk // 4, chunk)]  # drop a tiny tail
 
 
-def _observe(model: CausalLM, engine: Engine, chunks: list[list[int]], observer, desc: str) -> None:
+def observe_ffn(model: CausalLM, engine: Engine, chunks: list[list[int]], observer, desc: str) -> None:
+    """Prefill each chunk from an empty cache with `observer(layer, residual, activations)` on every block."""
     for block in model.blocks:
         block.observer = observer
     try:
@@ -99,42 +100,53 @@ def _thresholds_from_histograms(histograms: list[torch.Tensor], sparsity: float)
     return thresholds
 
 
+def calibrate_thresholds(model: CausalLM, engine: Engine, chunks: list[list[int]], target_sparsity: float | None,
+                         target_error: float | None) -> tuple[list[float], float]:
+    """Per-layer |activation| thresholds under which neurons count as not firing, for a target
+    sparsity or (the largest sparsity within) a target error; returns them and the sparsity."""
+    activation = model.config.activation
+    if target_sparsity is None and target_error is None:
+        raise PowerInferError(f"a {activation.value} model needs --target-sparsity or --target-error to define firing")
+    n_layers = model.config.n_layers
+    histograms = [torch.zeros(HISTOGRAM_BINS) for _ in range(n_layers)]
+    samples: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+    generator = torch.Generator().manual_seed(0)
+
+    def collect(layer: int, residual: torch.Tensor, a: torch.Tensor) -> None:
+        a = a.float()  # int4 kernels give bfloat16: too coarse to count in
+        log_magnitude = torch.log2(a.abs().clamp_min(2 ** LOG2_RANGE[0]))
+        histograms[layer] += torch.histc(log_magnitude, HISTOGRAM_BINS, *LOG2_RANGE)
+        kept = sum(len(s) for s in samples[layer])
+        if target_error is not None and kept < ERROR_SAMPLE_ROWS:
+            rows = torch.randperm(len(a), generator=generator)[: max(1, ERROR_SAMPLE_ROWS // len(chunks))]
+            samples[layer].append(a[rows].clone())
+
+    observe_ffn(model, engine, chunks, collect, "calibrating")
+    if target_error is not None:
+        target_sparsity = _sparsity_for_error(model, histograms, samples, target_error)
+    return _thresholds_from_histograms(histograms, target_sparsity), target_sparsity
+
+
+def firing_thresholds(model: CausalLM, chunks: list[list[int]], target_sparsity: float | None = None,
+                      target_error: float | None = None) -> tuple[list[float], float | None]:
+    """0 for ReLU-family models (any non-zero output fires), else calibrated on `chunks`."""
+    if model.config.activation.is_relu_family:
+        return [0.0] * model.config.n_layers, None
+    return calibrate_thresholds(model, Engine(model, max(len(c) for c in chunks)), chunks, target_sparsity, target_error)
+
+
 def profile_activations(model: CausalLM, ids: Sequence[int], n_tokens: int | None = None, chunk: int = 512,
                         target_sparsity: float | None = None, target_error: float | None = None) -> ActivationProfile:
     """Count neuron firings over `ids` (calibrating thresholds first for non-ReLU models)."""
-    activation = model.config.activation
     chunks = calibration_chunks(ids, n_tokens, chunk)
-    engine = Engine(model, chunk)
-    n_layers = model.config.n_layers
-    thresholds = [0.0] * n_layers
-    if not activation.is_relu_family:
-        if target_sparsity is None and target_error is None:
-            raise PowerInferError(f"a {activation.value} model needs --target-sparsity or --target-error to define firing")
-        histograms = [torch.zeros(HISTOGRAM_BINS) for _ in range(n_layers)]
-        samples: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
-        generator = torch.Generator().manual_seed(0)
-
-        def collect(layer: int, residual: torch.Tensor, a: torch.Tensor) -> None:
-            a = a.float()  # int4 kernels give bfloat16: too coarse to count in
-            log_magnitude = torch.log2(a.abs().clamp_min(2 ** LOG2_RANGE[0]))
-            histograms[layer] += torch.histc(log_magnitude, HISTOGRAM_BINS, *LOG2_RANGE)
-            kept = sum(len(s) for s in samples[layer])
-            if target_error is not None and kept < ERROR_SAMPLE_ROWS:
-                rows = torch.randperm(len(a), generator=generator)[: max(1, ERROR_SAMPLE_ROWS // len(chunks))]
-                samples[layer].append(a[rows].clone())
-
-        _observe(model, engine, chunks, collect, "calibrating")
-        if target_error is not None:
-            target_sparsity = _sparsity_for_error(model, histograms, samples, target_error)
-        thresholds = _thresholds_from_histograms(histograms, target_sparsity)
-
-    counts = [torch.zeros(model.config.n_ff, dtype=torch.int64) for _ in range(n_layers)]
+    thresholds, target_sparsity = firing_thresholds(model, chunks, target_sparsity, target_error)
+    counts = [torch.zeros(model.config.n_ff, dtype=torch.int64) for _ in range(model.config.n_layers)]
 
     def count(layer: int, residual: torch.Tensor, a: torch.Tensor) -> None:
         counts[layer] += (a.float().abs() > thresholds[layer]).sum(0)
 
-    _observe(model, engine, chunks, count, "profiling")
-    return ActivationProfile(activation.value, sum(len(c) for c in chunks), thresholds, counts,
+    observe_ffn(model, Engine(model, chunk), chunks, count, "profiling")
+    return ActivationProfile(model.config.activation.value, sum(len(c) for c in chunks), thresholds, counts,
                              target_sparsity, target_error)
 
 

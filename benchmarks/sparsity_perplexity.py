@@ -1,0 +1,163 @@
+"""SmolLM2 quality under activation sparsity: perplexity of wikitext-2 test (llama.cpp's method, c=512).
+
+Rows, in one run on the same file and chunks:
+- dense (ours), and llama.cpp's `llama-perplexity` method computed with llama-cpp-python logits;
+- oracle sparsity: thresholds calibrated on valid.txt for target sparsities, every token skipping
+  exactly the neurons under them;
+- predicted sparsity: PowerInfer GGUF files with predictors trained on valid.txt (made beforehand
+  with `powerinfer train-predictors` and `powerinfer convert`), with the sparsity they reach.
+
+    .venv/bin/python benchmarks/sparsity_perplexity.py --predicted 0.5=/path/model.pwri.gguf [--chunks N]
+
+Writes benchmarks/results/sparsity_perplexity.md and docs/sparsity_perplexity.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
+RESULTS = ROOT / "benchmarks" / "results" / "sparsity_perplexity.md"
+PLOT = ROOT / "docs" / "sparsity_perplexity.png"
+N_CTX = 512
+
+
+def run_perplexity(logits_of, chunks, label: str):
+    from powerinfer.tools.perplexity import perplexity
+
+    result = None
+    for result in tqdm(perplexity(logits_of, chunks), total=len(chunks), desc=label, unit="chunk", file=sys.stderr):
+        pass
+    return result
+
+
+def llama_cpp_logits(model: str, threads: int):
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(model, n_ctx=N_CTX, n_batch=N_CTX, n_threads=threads, n_threads_batch=threads,
+                          logits_all=True, verbose=False)
+
+    def logits_of(ids: list[int]) -> torch.Tensor:
+        llm.reset()
+        llm.eval(ids)
+        return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+
+    return logits_of
+
+
+def measured_sparsity(llm, chunks) -> float:
+    """Mean fraction of FFN neurons skipped per token on a few of the chunks (decode-sized steps)."""
+    skipped, total = 0, 0
+    for chunk in chunks[:2]:
+        llm.engine.release(0)
+        llm.engine.prefill(0, chunk[:8], reuse_prefix=False)
+        for token in chunk[8:136]:
+            llm.engine.decode([(0, token)])
+            for block in llm.model.blocks:
+                skipped += block.ffn.store.n_ff - block.ffn.last_active
+                total += block.ffn.store.n_ff
+    return skipped / total
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-m", "--model", default=None, help="dense GGUF (default: the default model)")
+    parser.add_argument("--chunks", type=int, default=None, help="chunks of test.txt (default: all)")
+    parser.add_argument("--oracle", default="0.3,0.5,0.7,0.8,0.9", help="target sparsities for the oracle curve")
+    parser.add_argument("--predicted", action="append", default=[], metavar="TARGET=FILE",
+                        help="PowerInfer GGUF with predictors trained for this target sparsity (repeatable)")
+    parser.add_argument("--calibration-tokens", type=int, default=16384)
+    parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("-t", "--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    from powerinfer import LLM
+    from powerinfer.hub import resolve_model
+    from powerinfer.sparsity.profiler import calibration_chunks, calibrate_thresholds
+    from powerinfer.runtime.engine import Engine
+    from powerinfer.tools.perplexity import chunks_of
+
+    model = str(resolve_model(args.model))
+    dense = LLM(model, n_ctx=N_CTX, threads=args.threads, sparsity="off")
+    tokens = dense.tokenize((DATA / "test.txt").read_text(), add_bos=True)
+    bos = dense.tokenizer.bos_id if dense.tokenizer.add_bos else None
+    chunks = chunks_of(tokens, N_CTX, args.chunks, bos)
+    logits = lambda llm: (lambda ids: torch.from_numpy(llm.logits(ids)))  # noqa: E731
+    rows = []  # (kind, target, measured sparsity, ppl, error)
+    base = run_perplexity(logits(dense), chunks, "dense")
+    rows.append(("dense", None, 0.0, base.ppl, base.error))
+    if not args.no_llama_cpp:
+        reference = run_perplexity(llama_cpp_logits(model, args.threads), chunks, "llama.cpp")
+        rows.append(("llama.cpp dense", None, 0.0, reference.ppl, reference.error))
+
+    calibration_ids = dense.tokenize((DATA / "valid.txt").read_text(), add_bos=False)
+    calibration = calibration_chunks(calibration_ids, args.calibration_tokens, N_CTX)
+    for target in [float(t) for t in args.oracle.split(",") if t]:
+        thresholds, _ = calibrate_thresholds(dense.model, Engine(dense.model, N_CTX), calibration, target, None)
+        oracle = LLM(model, n_ctx=N_CTX, threads=args.threads, sparsity="oracle", thresholds=thresholds)
+        result = run_perplexity(logits(oracle), chunks, f"oracle {target:.0%}")
+        rows.append(("oracle", target, measured_sparsity(oracle, chunks), result.ppl, result.error))
+    for spec in args.predicted:
+        target, path = spec.split("=", 1)
+        predicted = LLM(path, n_ctx=N_CTX, threads=args.threads, sparsity="auto")
+        result = run_perplexity(logits(predicted), chunks, f"predicted {target}")
+        rows.append(("predicted", float(target), measured_sparsity(predicted, chunks), result.ppl, result.error))
+
+    write_results(rows, len(chunks), model)
+    plot(rows)
+    return 0
+
+
+def write_results(rows, n_chunks: int, model: str) -> None:
+    base = rows[0][3]
+    lines = [
+        "# SmolLM2 perplexity under activation sparsity",
+        "",
+        f"{datetime.date.today()} · {platform.node()} · {platform.processor() or platform.machine()} · "
+        f"`benchmarks/sparsity_perplexity.py` · model `{Path(model).name}` · wikitext-2 test.txt, c={N_CTX}, "
+        f"{n_chunks} chunks · thresholds and predictors from valid.txt only",
+        "",
+        "| mode | target sparsity | measured sparsity (decode) | PPL | ± | × dense |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for kind, target, sparsity, ppl, error in rows:
+        target_text = "" if target is None else f"{target:.0%}"
+        lines.append(f"| {kind} | {target_text} | {sparsity:.1%} | {ppl:.4f} | {error:.4f} | {ppl / base:.4f} |")
+    RESULTS.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def plot(rows) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = rows[0][3]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind, marker in (("oracle", "o-"), ("predicted", "s--")):
+        points = sorted((s, p / base) for k, _, s, p, _ in rows if k == kind)
+        if points:
+            ax.plot([100 * s for s, _ in points], [r for _, r in points], marker, label=kind)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.axhline(1.02, color="grey", lw=0.8, ls=":", label="1.02 × dense")
+    ax.set_xlabel("FFN neurons skipped per token (%)")
+    ax.set_ylabel("perplexity / dense")
+    ax.set_title("SmolLM2-135M, wikitext-2 test")
+    ax.legend()
+    fig.tight_layout()
+    PLOT.parent.mkdir(exist_ok=True)
+    fig.savefig(PLOT, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""`powerinfer place`: solve the neuron placement for a VRAM budget and print it (writes only with -o)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from powerinfer.config import ModelConfig
+from powerinfer.gguf.reader import open_gguf
+from powerinfer.llm import DEFAULT_N_CTX
+from powerinfer.placement.costs import GiB, Speeds, dense_parts, measure_cpu_bandwidth, model_shape
+from powerinfer.placement.gpu_index import index_path, write_gpu_index
+from powerinfer.placement.planner import load_statistics, plan_table, stderr_note
+from powerinfer.placement.solver import plan_from_counts
+
+
+def main(args: argparse.Namespace) -> int:
+    gguf = open_gguf(args.model)
+    config = ModelConfig.from_gguf(gguf)
+    n_ctx = args.ctx_size or min(DEFAULT_N_CTX, config.n_ctx_train)
+    shape = model_shape(gguf, config)
+    cpu_bandwidth = measure_cpu_bandwidth() if args.measure else (args.cpu_bandwidth or 24.0) * 1e9
+    speeds = Speeds(cpu_bandwidth, args.accelerator_bandwidth * 1e9, args.sync_us * 1e-6)
+    dense = dense_parts(gguf, config, n_ctx)
+    budget = int(args.vram_budget * GiB)
+    statistics = load_statistics(Path(args.model), shape, args.activations, stderr_note)
+    plan = plan_from_counts(statistics.counts, statistics.tokens, shape, max(0, budget - dense.total), speeds,
+                            args.group_size)
+    print(plan_table(plan, statistics, shape))
+    print(f"model: {config.n_layers} layers x {max(shape.n_ff)} neurons, {shape.neuron_bytes[0]} bytes per neuron, "
+          f"FFN {shape.ffn_bytes / GiB:.2f} GiB; statistics: {statistics.source} ({statistics.tokens} tokens)")
+    print(f"budget: {args.vram_budget:g} GiB - dense parts {dense.weights / GiB:.3f} GiB - KV cache "
+          f"({n_ctx} tokens) {dense.kv_cache / GiB:.3f} GiB = {plan.capacity / GiB:.3f} GiB for neurons")
+    print(f"speeds: CPU {speeds.cpu_bandwidth / 1e9:.1f} GB/s{' (measured)' if args.measure else ''}, "
+          f"accelerator {speeds.accelerator_bandwidth / 1e9:.0f} GB/s, sync {speeds.sync_seconds * 1e6:.0f} us/layer")
+    print(f"plan: {plan.summary()}; split layers: {_ranges(plan.split_layers)}")
+    if args.write_index is not None:
+        path = Path(args.write_index) if args.write_index else index_path(args.model)
+        write_gpu_index(path, plan)
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    if not layers:
+        return "none"
+    spans, start, previous = [], layers[0], layers[0]
+    for layer in layers[1:]:
+        if layer != previous + 1:
+            spans.append((start, previous))
+            start = layer
+        previous = layer
+    spans.append((start, previous))
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)

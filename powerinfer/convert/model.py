@@ -1,0 +1,134 @@
+"""Write a model from any source (Hugging Face folder, GGUF, PowerInfer GGUF) as GGUF, or as
+PowerInfer GGUF when predictors are given.
+
+PowerInfer GGUF (DESIGN.md): magic `PWRI`; per layer `blk.N.fc1.weight` [R, n_embd] and
+`blk.N.fc2.weight` [n_ff, R] (the predictor, F16 as PowerInfer writes them, never quantized);
+`blk.N.ffn_down_t.weight` [n_ff, n_embd] (one row per neuron) instead of `ffn_down`;
+`powerinfer.sparse_threshold`. Our extra keys: per-layer score thresholds and, for SiLU/GELU
+models, the |activation| thresholds that defined "fired" when the predictors were trained.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, quants
+from tqdm import tqdm
+
+from powerinfer.convert.encode import FILE_TYPES, encode_tensor
+from powerinfer.gguf.reader import GGUFTensor, open_gguf, tolerant_reader
+from powerinfer.gguf.writer import TensorData, write_gguf
+from powerinfer.models.ffn import ACTIVATION_THRESHOLDS_KEY, LAYER_THRESHOLDS_KEY, SPARSE_THRESHOLD_KEY
+from powerinfer.sparsity.predictors import PredictorDirectory
+
+T = GGMLQuantizationType
+PREDICTOR_TYPE = T.F16
+_FFN_DOWN = re.compile(r"blk\.(\d+)\.ffn_down\.weight")
+_PREDICTOR = re.compile(r"blk\.\d+\.fc[12]\.weight")
+_PREDICTOR_KEYS = {SPARSE_THRESHOLD_KEY, LAYER_THRESHOLDS_KEY, ACTIVATION_THRESHOLDS_KEY}
+
+TypedValue = tuple[Any, GGUFValueType, GGUFValueType | None]
+
+
+@dataclass
+class ModelSource:
+    """What a converter reads: metadata and tensors (float32 arrays, or tensors of a GGUF file)."""
+
+    origin: Path
+    architecture: str
+    metadata: dict[str, Any]  # plain Python values; types chosen on writing
+    typed_metadata: dict[str, TypedValue]  # values with their exact GGUF types (from a GGUF source)
+    tensors: Iterator[tuple[str, np.ndarray | GGUFTensor]]
+    n_layers: int
+    n_embd: int
+    n_ff: int
+    has_predictors: bool = False
+
+
+def gguf_source(path: str | Path) -> ModelSource:
+    """A GGUF or PowerInfer GGUF file as a conversion source; metadata keep their exact types."""
+    gguf = open_gguf(path)  # validates the file with one-line errors
+    reader: GGUFReader = tolerant_reader(gguf.path)
+    typed: dict[str, TypedValue] = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        typed[name] = (field.contents(), field.types[0], sub_type)
+    arch = gguf.require("general.architecture")
+    return ModelSource(gguf.path, arch, {}, typed, iter(gguf.tensors.items()),
+                       *(int(gguf.require(f"{arch}.{k}")) for k in ("block_count", "embedding_length", "feed_forward_length")),
+                       has_predictors="blk.0.fc1.weight" in gguf.tensors)
+
+
+def _float(tensor: np.ndarray | GGUFTensor) -> np.ndarray:
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    return quants.dequantize(tensor.data, tensor.ggml_type).reshape(tensor.shape).astype(np.float32, copy=False)
+
+
+def _encode(name: str, tensor: np.ndarray | GGUFTensor, outtype: T | None) -> TensorData:
+    """`tensor` as `outtype` (None: a GGUF tensor keeps its type, a float array becomes F16)."""
+    if isinstance(tensor, GGUFTensor) and (outtype is None or outtype == tensor.ggml_type or len(tensor.shape) == 1):
+        data = tensor.data if tensor.ggml_type in (T.F32, T.F16) else tensor.rows_as_bytes()
+        return TensorData(name, data, tensor.ggml_type)
+    return encode_tensor(name, _float(tensor), T.F16 if outtype is None else outtype)  # T.F32 is 0: no `or`
+
+
+def _down_t_type(down: np.ndarray | GGUFTensor) -> T | None:
+    """ffn_down_t's type when the caller keeps the source's: a 4-bit ffn_down is re-encoded as
+    Q8_0, since its blocks run along the other axis and a second 4-bit rounding would add error."""
+    if not isinstance(down, GGUFTensor):
+        return None
+    return T.Q8_0 if down.ggml_type in (T.Q4_0, T.Q4_1) else down.ggml_type
+
+
+def _predictor_tensors(layer: int, predictors: PredictorDirectory) -> list[TensorData]:
+    return [TensorData(f"blk.{layer}.fc1.weight", predictors.fc1[layer].numpy().astype(np.float16), PREDICTOR_TYPE),
+            TensorData(f"blk.{layer}.fc2.weight", predictors.fc2[layer].numpy().astype(np.float16), PREDICTOR_TYPE)]
+
+
+def _output_tensors(source: ModelSource, outtype: T | None, predictors: PredictorDirectory | None,
+                    progress: bool) -> Iterator[TensorData]:
+    """The source's tensors re-encoded; with predictors, ffn_down transposed to ffn_down_t and each
+    layer's predictor added."""
+    for name, tensor in tqdm(source.tensors, desc="converting", unit="tensor", disable=None if progress else True, file=sys.stderr):
+        if predictors is not None and _PREDICTOR.fullmatch(name):
+            continue  # replaced by the new predictors
+        if _PREDICTOR.fullmatch(name):
+            yield _encode(name, tensor, None)  # predictors are never quantized
+            continue
+        down = _FFN_DOWN.fullmatch(name)
+        if predictors is not None and down:
+            layer = int(down.group(1))
+            down_t = np.ascontiguousarray(_float(tensor).T)
+            yield _encode(f"blk.{layer}.ffn_down_t.weight", down_t, _down_t_type(tensor) if outtype is None else outtype)
+            yield from _predictor_tensors(layer, predictors)
+            continue
+        yield _encode(name, tensor, outtype)
+
+
+def write_model(source: ModelSource, outfile: str | Path, outtype: T | None = None,
+                predictors: PredictorDirectory | None = None, progress: bool = True) -> None:
+    """Write `source` to `outfile` (atomically): GGUF, or PowerInfer GGUF with `predictors`."""
+    metadata, typed = dict(source.metadata), dict(source.typed_metadata)
+    if outtype is not None:
+        typed.pop("general.file_type", None)
+        metadata["general.file_type"] = int(FILE_TYPES[outtype])
+    if predictors is not None:
+        predictors.check_matches(source.n_layers, source.n_embd, source.n_ff, str(source.origin))
+        for key in _PREDICTOR_KEYS:
+            typed.pop(key, None)
+        metadata[SPARSE_THRESHOLD_KEY] = float(predictors.sparse_threshold)
+        if predictors.layer_thresholds is not None:
+            metadata[LAYER_THRESHOLDS_KEY] = [float(t) for t in predictors.layer_thresholds]
+        if predictors.activation_thresholds is not None:
+            metadata[ACTIVATION_THRESHOLDS_KEY] = [float(t) for t in predictors.activation_thresholds]
+    write_gguf(outfile, source.architecture, metadata, _output_tensors(source, outtype, predictors, progress),
+               powerinfer=predictors is not None or source.has_predictors, typed_metadata=typed)

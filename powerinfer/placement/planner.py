@@ -1,0 +1,113 @@
+"""A model's placement: from its GGUF file, a VRAM budget and activation statistics, or from its
+stored GPU index.
+
+Statistics come from `activations` (a profile directory: ours, or PowerInfer's activation/), else
+from `activation/` next to the model (PowerInfer's layout), else every neuron counts as equally
+likely (the solver then spreads the budget evenly; a note says so).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from powerinfer.config import ModelConfig
+from powerinfer.errors import PowerInferError
+from powerinfer.gguf.reader import GGUFFile
+from powerinfer.placement.costs import ModelShape, Speeds, dense_parts, model_shape
+from powerinfer.placement.gpu_index import index_path, load_gpu_index, write_gpu_index
+from powerinfer.placement.solver import DEFAULT_GROUP_SIZE, Plan, plan_from_counts
+
+IndexMode = Literal["reuse", "reset", "memory"]  # memory: neither read nor write the index file
+Warn = Callable[[str], None]
+
+
+def stderr_note(message: str) -> None:
+    print(f"powerinfer: {message}", file=sys.stderr)
+
+
+@dataclass(frozen=True)
+class Statistics:
+    counts: list[torch.Tensor]
+    tokens: int
+    source: str
+
+
+def load_statistics(model_path: Path, shape: ModelShape, activations: str | os.PathLike[str] | None,
+                    note: Warn) -> Statistics:
+    from powerinfer.sparsity.profiler import ActivationProfile
+
+    folder = Path(activations) if activations is not None else model_path.parent / "activation"
+    if activations is not None or folder.is_dir():
+        if not folder.is_dir():
+            raise PowerInferError(f"{folder}: activation statistics directory not found")
+        profile = ActivationProfile.load(folder)
+        return Statistics(profile.counts, profile.tokens, str(folder))
+    note("no activation statistics (--activations DIR or activation/ next to the model): "
+         "every neuron is taken as equally likely to fire")
+    return Statistics([torch.ones(n) for n in shape.n_ff], 1, "uniform")
+
+
+def neuron_budget(gguf: GGUFFile, config: ModelConfig, n_ctx: int, vram_budget: int) -> int:
+    """Bytes left for FFN neurons once the dense parts are counted in."""
+    return max(0, vram_budget - dense_parts(gguf, config, n_ctx).total)
+
+
+def plan_from_index(hot: tuple[np.ndarray, ...], capacity: int, shape: ModelShape,
+                    statistics: Statistics | None = None) -> Plan:
+    """A plan read back from a GPU index (with its served share when statistics are at hand)."""
+    used = sum(len(h) * b for h, b in zip(hot, shape.neuron_bytes))
+    share = None
+    if statistics is not None:
+        total = sum(float(c.sum()) for c in statistics.counts)
+        served = sum(float(np.asarray(c, dtype=np.float64)[h].sum()) for c, h in zip(statistics.counts, hot))
+        share = served / total if total > 0 else 0.0
+    return Plan(hot, shape.n_ff, used, capacity, share, None, None, None)
+
+
+def plan_for_model(gguf: GGUFFile, config: ModelConfig, model_path: str | os.PathLike[str], n_ctx: int,
+                   vram_budget: int, *, index: IndexMode = "reuse", activations: str | os.PathLike[str] | None = None,
+                   speeds: Speeds = Speeds(), group_size: int = DEFAULT_GROUP_SIZE, note: Warn = stderr_note) -> Plan:
+    """The placement to run with: the stored index while the budget covers its capacity (mode
+    "reuse"), else a fresh solve, written next to the model unless mode is "memory"."""
+    model_path = Path(model_path)
+    shape = model_shape(gguf, config)
+    capacity = neuron_budget(gguf, config, n_ctx, vram_budget)
+    path = index_path(model_path)
+    if index == "reuse":
+        stored = load_gpu_index(path, shape.n_ff, lambda m: note(f"warning: {m}"))
+        if stored is not None:
+            plan = plan_from_index(*stored, shape)
+            if plan.bytes_used > plan.capacity:
+                note(f"warning: ignoring stale GPU index ({path}: its neurons need {plan.bytes_used} bytes, "
+                     f"more than the {plan.capacity} it was made for); rebuilding it")
+            elif capacity >= plan.capacity:
+                return plan
+    statistics = load_statistics(model_path, shape, activations, note)
+    plan = plan_from_counts(statistics.counts, statistics.tokens, shape, capacity, speeds, group_size)
+    if index != "memory":
+        try:
+            write_gpu_index(path, plan)
+        except (OSError, PowerInferError) as error:
+            note(f"warning: could not write the GPU index {path} ({error}); using the plan for this run only")
+    return plan
+
+
+def plan_table(plan: Plan, statistics: Statistics, shape: ModelShape) -> str:
+    """One line per layer: neurons on the accelerator, their bytes and the share of the layer's
+    activations they serve."""
+    lines = ["layer  on accel  of n_ff  MiB     served"]
+    for i, (hot, n_ff, b) in enumerate(zip(plan.hot, plan.n_ff, shape.neuron_bytes)):
+        counts = np.asarray(statistics.counts[i], dtype=np.float64)
+        total = counts.sum()
+        served = f"{100 * counts[hot].sum() / total:5.1f}%" if total > 0 else "    -"
+        lines.append(f"{i:5d}  {len(hot):8d}  {100 * len(hot) / n_ff:5.1f}%  {len(hot) * b / (1 << 20):7.1f}  {served}")
+    return "\n".join(lines)
+

@@ -1,0 +1,278 @@
+"""Activation predictors: training, evaluation and PowerInfer's predictor directory.
+
+A predictor (PowerInfer's shape: Linear d->R, ReLU, Linear R->n_ff, no biases) maps a layer's FFN
+input (the residual stream after attention, before the FFN norm) to a score per neuron; the neuron
+is computed when its score is >= the layer's threshold. PowerInfer never released its training;
+ours learns from the model's own activations over calibration text:
+
+- tokens are split into train / calibration / held-out parts (by chunk, in that order);
+- per layer and candidate rank R a predictor is fitted with binary
+  cross-entropy; inputs are scaled per dimension while training and the scale is folded into fc1;
+- the score threshold is the one that reaches the recall target (with a margin) on the calibration part; the chosen
+  R is the smallest whose predicted sparsity comes within `rank_tolerance` of the largest rank's;
+- recall, precision and sparsity are reported on the held-out part, which nothing was fitted to.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from powerinfer.errors import PowerInferError
+from powerinfer.models.base import CausalLM
+from powerinfer.runtime.engine import Engine
+from powerinfer.sparsity.files import atomic_directory
+from powerinfer.sparsity.profiler import calibration_chunks, observe_ffn
+
+SPLITS = (0.8, 0.1, 0.1)  # train, calibration (threshold), held-out (report)
+COLLECT_BYTES = 4 << 30  # collected activations per pass over the text; more layers take more passes
+CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    recall: float = 0.99
+    ranks: tuple[int, ...] = (32, 64, 128, 256, 512)  # capped at n_ff
+    rank_tolerance: float = 0.02  # a smaller rank may lose this much predicted sparsity
+    steps: int = 1000
+    batch: int = 1024
+    learning_rate: float = 1e-2
+    seed: int = 0
+
+    @property
+    def calibration_recall(self) -> float:
+        """The recall aimed at on the calibration part: half the allowed misses, a margin for
+        text that the threshold was not chosen on."""
+        return 1.0 - (1.0 - self.recall) / 2
+
+
+@dataclass
+class LayerReport:
+    layer: int
+    rank: int
+    threshold: float
+    recall: float
+    precision: float
+    true_sparsity: float
+    predicted_sparsity: float
+
+
+@dataclass
+class TrainedPredictor:
+    fc1: torch.Tensor  # [R, d]
+    fc2: torch.Tensor  # [n_ff, R]
+    threshold: float
+
+
+# ---------------------------------------------------------------- data
+
+@dataclass
+class LayerData:
+    """One layer's FFN inputs (float16) and which neurons fired (bool), split by token."""
+
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    fired: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _split_sizes(n_chunks: int) -> tuple[int, int, int]:
+    if n_chunks < 3:
+        raise PowerInferError("text too short to train predictors: need at least 3 chunks (train, calibration, held-out)")
+    calibration = max(1, round(n_chunks * SPLITS[1]))
+    held_out = max(1, round(n_chunks * SPLITS[2]))
+    return n_chunks - calibration - held_out, calibration, held_out
+
+
+def collect_layers(model: CausalLM, chunks: list[list[int]], layers: Sequence[int],
+                   thresholds: Sequence[float]) -> dict[int, LayerData]:
+    """Run the model over `chunks`, keeping the FFN input and the firing pattern of `layers`."""
+    inputs: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+    fired: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+
+    def keep(layer: int, residual: torch.Tensor, a: torch.Tensor) -> None:
+        if layer in inputs:
+            inputs[layer].append(residual.to(torch.float16))
+            fired[layer].append(a.float().abs() > thresholds[layer])
+
+    observe_ffn(model, Engine(model, max(len(c) for c in chunks)), chunks, keep,
+                f"collecting layers {layers[0]}-{layers[-1]}")
+    n_train, n_calibration, _ = _split_sizes(len(chunks))
+    bounds = [0, n_train, n_train + n_calibration, len(chunks)]
+    out = {}
+    for i in layers:
+        parts = [(torch.cat(inputs[i][a:b]), torch.cat(fired[i][a:b])) for a, b in zip(bounds, bounds[1:])]
+        out[i] = LayerData(tuple(p[0] for p in parts), tuple(p[1] for p in parts))
+        inputs[i], fired[i] = [], []
+    return out
+
+
+# ---------------------------------------------------------------- fitting
+
+def _threshold_for_recall(scores: torch.Tensor, fired: torch.Tensor, recall: float) -> float:
+    """The largest threshold keeping at least `recall` of the firing neurons (score >= threshold)."""
+    positives = scores[fired]
+    if positives.numel() == 0:
+        return float(scores.max()) + 1.0  # nothing ever fires: predict nothing
+    k = int(math.floor((1.0 - recall) * positives.numel()))  # positives we may miss
+    return float(torch.kthvalue(positives.float(), k + 1).values) if k > 0 else float(positives.min())
+
+
+def _scores(fc1: torch.Tensor, fc2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.relu(F.linear(x.float(), fc1)), fc2)
+
+
+def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, options: TrainingOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """fc1, fc2 fitted to predict y (bool [N, n_ff]) from x ([N, d]); fc1 takes unscaled inputs."""
+    generator = torch.Generator().manual_seed(options.seed)
+    scale = x.float().pow(2).mean(0).sqrt().clamp_min(1e-6)  # per-dimension RMS, folded into fc1 at the end
+    d, n_ff = x.shape[1], y.shape[1]
+    fc1 = torch.nn.Linear(d, rank, bias=False)
+    fc2 = torch.nn.Linear(rank, n_ff, bias=False)
+    with torch.no_grad():
+        torch.nn.init.normal_(fc1.weight, std=1.0 / math.sqrt(d), generator=generator)
+        torch.nn.init.normal_(fc2.weight, std=1.0 / math.sqrt(rank), generator=generator)
+    params = [fc1.weight, fc2.weight]
+    optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, options.learning_rate, total_steps=options.steps)
+    # Firing neurons are the minority class in ReLU models; weigh them so that the recall target
+    # does not push the threshold deep into the negatives.
+    rate = y.float().mean(0).clamp(1e-4, 1 - 1e-4)
+    pos_weight = ((1 - rate) / rate).clamp(max=10.0).sqrt()
+    for _ in range(options.steps):
+        rows = torch.randint(len(x), (min(options.batch, len(x)),), generator=generator)
+        logits = fc2(F.relu(fc1(x[rows].float() / scale)))
+        loss = F.binary_cross_entropy_with_logits(logits, y[rows].float(), pos_weight=pos_weight)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+    return (fc1.weight.detach() / scale).contiguous(), fc2.weight.detach().contiguous()
+
+
+def _evaluate(predictor: TrainedPredictor, x: torch.Tensor, fired: torch.Tensor) -> tuple[float, float, float, float]:
+    """recall, precision, true sparsity, predicted sparsity of `predictor` on (x, fired)."""
+    predicted = _scores(predictor.fc1, predictor.fc2, x) >= predictor.threshold
+    hits = float((predicted & fired).sum())
+    n_fired, n_predicted = float(fired.sum()), float(predicted.sum())
+    recall = hits / n_fired if n_fired else 1.0
+    precision = hits / n_predicted if n_predicted else 1.0
+    return recall, precision, 1.0 - n_fired / fired.numel(), 1.0 - n_predicted / fired.numel()
+
+
+def train_layer(layer: int, data: LayerData, options: TrainingOptions) -> tuple[TrainedPredictor, LayerReport]:
+    """Fit the largest rank, then smaller ones from the smallest up; keep the first whose predicted
+    sparsity (at the recall target, on the calibration part) is within `rank_tolerance` of the largest's."""
+    (x_train, x_calibration, x_held_out), (y_train, y_calibration, y_held_out) = data.inputs, data.fired
+    ranks = sorted({min(r, y_train.shape[1]) for r in options.ranks})
+
+    def fitted(rank: int) -> tuple[float, TrainedPredictor]:
+        fc1, fc2 = _fit(x_train, y_train, rank, options)
+        threshold = _threshold_for_recall(_scores(fc1, fc2, x_calibration), y_calibration, options.calibration_recall)
+        predictor = TrainedPredictor(fc1, fc2, threshold)
+        return _evaluate(predictor, x_calibration, y_calibration)[3], predictor
+
+    best_sparsity, chosen = fitted(ranks[-1])
+    for rank in ranks[:-1]:
+        sparsity, predictor = fitted(rank)
+        if sparsity >= best_sparsity - options.rank_tolerance:
+            chosen = predictor
+            break
+    recall, precision, true_sparsity, predicted_sparsity = _evaluate(chosen, x_held_out, y_held_out)
+    report = LayerReport(layer, chosen.fc1.shape[0], chosen.threshold, recall, precision, true_sparsity,
+                         predicted_sparsity)
+    return chosen, report
+
+
+def train_predictors(model: CausalLM, ids: Sequence[int], thresholds: Sequence[float], n_tokens: int | None = None,
+                     chunk: int = 512, options: TrainingOptions = TrainingOptions(),
+                     on_layer: Callable[[LayerReport], None] | None = None) -> tuple[list[TrainedPredictor], list[LayerReport]]:
+    """Predictors for every layer of `model`, learnt from its activations over `ids`; a neuron
+    fires when |activation| > thresholds[layer]."""
+    config = model.config
+    chunks = calibration_chunks(ids, n_tokens, chunk)
+    _split_sizes(len(chunks))
+    n_rows = sum(len(c) for c in chunks)
+    per_layer = n_rows * (2 * config.n_embd + config.n_ff)
+    layers_per_pass = max(1, min(config.n_layers, COLLECT_BYTES // per_layer))
+    predictors: list[TrainedPredictor] = []
+    reports: list[LayerReport] = []
+    for first in range(0, config.n_layers, layers_per_pass):
+        layers = list(range(first, min(first + layers_per_pass, config.n_layers)))
+        collected = collect_layers(model, chunks, layers, thresholds)
+        for i in tqdm(layers, desc="training", unit="layer"):
+            predictor, report = train_layer(i, collected.pop(i), options)
+            predictors.append(predictor)
+            reports.append(report)
+            if on_layer is not None:
+                on_layer(report)
+    return predictors, reports
+
+
+# ---------------------------------------------------------------- PowerInfer's predictor directory
+
+def save_predictors(directory: str | Path, predictors: Sequence[TrainedPredictor],
+                    reports: Sequence[LayerReport] = (), activation_thresholds: Sequence[float] | None = None) -> None:
+    """Write model_{i}.pt (fc1.weight [R, d], fc2.weight [n_ff, R]) and config.json, atomically.
+
+    config.json's `sparse_threshold` (PowerInfer's single threshold) is the lowest of the layer
+    thresholds, so that tools reading only it still meet the recall target everywhere;
+    `layer_thresholds` holds ours."""
+    layer_thresholds = [p.threshold for p in predictors]
+    config = {"sparse_threshold": min(layer_thresholds), "layer_thresholds": layer_thresholds}
+    if activation_thresholds is not None:
+        config["activation_thresholds"] = list(activation_thresholds)
+    if reports:
+        config["report"] = [asdict(r) for r in reports]
+    with atomic_directory(directory) as staging:
+        for i, p in enumerate(predictors):
+            torch.save({"fc1.weight": p.fc1.to(torch.float16), "fc2.weight": p.fc2.to(torch.float16)},
+                       staging / f"model_{i}.pt")
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=1))
+
+
+@dataclass
+class PredictorDirectory:
+    fc1: list[torch.Tensor]
+    fc2: list[torch.Tensor]
+    sparse_threshold: float
+    layer_thresholds: list[float] | None
+    activation_thresholds: list[float] | None
+
+    def check_matches(self, n_layers: int, n_embd: int, n_ff: int, where: str) -> None:
+        if len(self.fc1) != n_layers:
+            raise PowerInferError(f"{where}: predictors for {len(self.fc1)} layers, the model has {n_layers}")
+        for i, (fc1, fc2) in enumerate(zip(self.fc1, self.fc2)):
+            if fc1.ndim != 2 or fc2.ndim != 2 or fc1.shape[1] != n_embd or fc2.shape != (n_ff, fc1.shape[0]):
+                raise PowerInferError(f"{where}: predictor {i} has shapes {tuple(fc1.shape)}, {tuple(fc2.shape)}; "
+                                      f"the model needs [R, {n_embd}] and [{n_ff}, R]")
+
+
+def load_predictors(directory: str | Path) -> PredictorDirectory:
+    """Read a predictor directory (ours or PowerInfer's)."""
+    directory = Path(directory)
+    files = sorted(directory.glob("model_*.pt"), key=lambda p: int(p.stem.split("_")[-1]) if p.stem.split("_")[-1].isdigit() else -1)
+    if not files:
+        raise PowerInferError(f"{directory}: no model_*.pt predictor files")
+    if [p.stem for p in files] != [f"model_{i}" for i in range(len(files))]:
+        raise PowerInferError(f"{directory}: predictor files are not model_0.pt .. model_{len(files) - 1}.pt")
+    fc1, fc2 = [], []
+    for path in files:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            fc1.append(state["fc1.weight"].float())
+            fc2.append(state["fc2.weight"].float())
+        except Exception as error:  # torch raises many types for a damaged file
+            raise PowerInferError(f"{path}: not a predictor state dict ({str(error).splitlines()[0]})") from None
+    config_path = directory / CONFIG_FILE
+    try:
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    except json.JSONDecodeError as error:
+        raise PowerInferError(f"{config_path}: invalid JSON ({error})") from None
+    return PredictorDirectory(fc1, fc2, float(config.get("sparse_threshold", 0.0)), config.get("layer_thresholds"),
+                              config.get("activation_thresholds"))

@@ -1,0 +1,233 @@
+"""Hybrid execution with the accelerator played by the CPU: splitting an FFN between two devices
+changes no result, whatever the placement."""
+
+from __future__ import annotations
+
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from powerinfer import LLM
+from powerinfer.config import FFNActivation, ModelConfig
+from powerinfer.errors import PowerInferError
+from powerinfer.gguf import open_gguf
+from powerinfer.models import load_model
+from powerinfer.models.ffn import MAX_SPARSE_ROWS, DenseFFN, FFNOptions, Predictor, SparseFFN
+from powerinfer.placement.costs import ModelShape, Speeds, dense_parts, model_shape
+from powerinfer.placement.gpu_index import index_path, read_gpu_index, write_gpu_index
+from powerinfer.placement.solver import Plan, plan_from_counts
+from powerinfer.runtime.engine import Engine
+from powerinfer.runtime.hybrid import HybridFFN, HybridOptions
+
+from test_neuron_ops import store as random_store
+
+CPU = torch.device("cpu")
+N_CTX = 64
+
+# ---------------------------------------------------------------- one FFN, every mode and encoding
+
+
+@settings(max_examples=40, deadline=None)
+@given(ggml_type=st.sampled_from([T.Q4_0, T.Q4_1, T.Q8_0, T.F32]), gated=st.booleans(),
+       mode=st.sampled_from(["auto", "off", "oracle"]), rows=st.sampled_from([1, 2, 3, 12]),
+       seed=st.integers(0, 10_000), data=st.data())
+def test_hybrid_ffn_equals_sparse_ffn(ggml_type, gated, mode, rows, seed, data):
+    n_ff = 96
+    store, _ = random_store(seed, ggml_type, n_ff, 64, 64, gated)
+    activation = FFNActivation.RELU_GATED if gated else FFNActivation.RELU
+    generator = torch.Generator().manual_seed(seed)
+    predictor = Predictor(torch.randn(16, 64, generator=generator), torch.randn(n_ff, 16, generator=generator), 0.0)
+    single = SparseFFN(store, activation, mode, predictor if mode == "auto" else None)
+    hot = torch.tensor(sorted(data.draw(st.sets(st.integers(0, n_ff - 1), min_size=1))), dtype=torch.int64)
+    hybrid = HybridFFN(single, hot, CPU)
+    h, residual = torch.randn(rows, 64, generator=generator), torch.randn(rows, 64, generator=generator)
+    expected, got = single(h, residual), hybrid(h, residual)
+    # Bound by the size of the terms summed: many rows run bfloat16 products on both sides, whose
+    # outputs are rounded to bfloat16 (the split rounds two partial sums instead of one).
+    scale = (single.activations(h).abs() @ store.weights(store.down).abs()).max().item() + 1e-6
+    bf16 = rows > MAX_SPARSE_ROWS and ggml_type != T.F32
+    torch.testing.assert_close(got, expected, rtol=0, atol=(1e-2 if bf16 else 1e-5) * scale)
+    assert hybrid.device_nbytes == len(hot) * store.record_bytes
+
+
+def test_no_active_neuron_gives_zeros():
+    store, _ = random_store(1, T.Q4_0, 64, 64, 32)
+    silent = Predictor(torch.randn(8, 64), torch.randn(64, 8), threshold=1e9)
+    hybrid = HybridFFN(SparseFFN(store, FFNActivation.RELU_GATED, "auto", silent), torch.tensor([3, 9]), CPU)
+    assert torch.equal(hybrid(torch.randn(1, 64)), torch.zeros(1, 32)) and hybrid.last_active == 0
+
+
+# ---------------------------------------------------------------- whole models
+
+
+@pytest.fixture(scope="module")
+def relu_models(tmp_path_factory, default_model) -> dict[str, Path]:
+    """A tiny ReLU llama (with the default model's vocabulary) in f32 and q4_0, each in its own folder."""
+    from conftest import make_tiny_llama
+    from powerinfer.convert.encode import parse_outtype
+    from powerinfer.convert.hf import convert_hf
+    from powerinfer.tokenizer import Tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-relu-hybrid")
+    make_tiny_llama(folder, "relu")
+    # our own tokenizer saved as tokenizer.json: seconds faster than transformers reading the GGUF
+    Tokenizer.from_gguf(open_gguf(default_model)).backend.save(str(folder / "tokenizer.json"))
+    paths = {}
+    for outtype in ("f32", "q4_0"):
+        paths[outtype] = folder / outtype / "model.gguf"
+        paths[outtype].parent.mkdir()
+        convert_hf(folder, paths[outtype], parse_outtype(outtype), progress=False)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def ids() -> list[int]:
+    return torch.randint(0, 49152, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+def logits(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decode logits after a 4-token prompt, logits of one 24-token prefill: the dense path)."""
+    engine = Engine(model, N_CTX)
+    rows = [engine.prefill(0, ids[:4])] + [engine.decode([(0, t)])[0] for t in ids[4:]]
+    return torch.stack(rows), Engine(model, N_CTX).all_logits(ids)
+
+
+@pytest.fixture(scope="module")
+def engines(relu_models, ids):
+    """Per outtype: a sparse model to split in place, and the single-device logits per mode."""
+    out = {}
+    for outtype, path in relu_models.items():
+        model = load_model(open_gguf(path), N_CTX, FFNOptions(sparsity="oracle"))
+        reference = {"oracle": logits(model, ids)}
+        if outtype == "f32":  # off against the dense model: exact arithmetic either way
+            reference["off"] = logits(load_model(open_gguf(path), N_CTX, FFNOptions(sparsity="off")), ids)
+        else:  # quantized: the dense model rounds differently, so compare with the same records
+            with ffns(model, lambda f, _: SparseFFN(f.store, f.activation, "off")):
+                reference["off"] = logits(model, ids)
+        out[outtype] = model, reference
+    return out
+
+
+@contextmanager
+def ffns(model, make):
+    """Replace every block's FFN with make(ffn, layer) for the duration."""
+    saved = [block.ffn for block in model.blocks]
+    for i, block in enumerate(model.blocks):
+        block.ffn = make(block.ffn, i)
+    try:
+        yield
+    finally:
+        for block, ffn in zip(model.blocks, saved):
+            block.ffn = ffn
+
+
+def shape_of(model) -> ModelShape:
+    return ModelShape(tuple(b.ffn.store.n_ff for b in model.blocks), tuple(b.ffn.store.record_bytes for b in model.blocks))
+
+
+@settings(max_examples=12, deadline=None)
+@given(outtype=st.sampled_from(["f32", "q4_0"]), mode=st.sampled_from(["oracle", "off"]),
+       share=st.floats(0.0, 1.0), seed=st.integers(0, 1000))
+def test_hybrid_model_equals_single_device_for_random_budgets(engines, ids, outtype, mode, share, seed):
+    model, reference = engines[outtype]
+    shape = shape_of(model)
+    rng = np.random.default_rng(seed)
+    counts = [torch.from_numpy(rng.integers(0, 100, n)) for n in shape.n_ff]
+    plan = plan_from_counts(counts, 100, shape, int(share * shape.ffn_bytes), Speeds(sync_seconds=0.0), 16)
+    options = HybridOptions(CPU, plan)
+    with ffns(model, lambda f, i: options.wrap(SparseFFN(f.store, f.activation, mode, threshold=f.threshold), i)):
+        got = logits(model, ids)
+    tolerance = 1e-4 if outtype == "f32" else 0.04  # q4_0: logits come out of a bfloat16 kernel
+    for value, expected in zip(got, reference[mode]):  # decode, then prefill
+        torch.testing.assert_close(value, expected, rtol=0, atol=tolerance * expected.abs().max().item())
+
+
+def test_ffn_options_build_hybrid_blocks_only_where_neurons_are_placed(relu_models, engines, ids):
+    plan = Plan((np.arange(0, 160, 3, dtype=np.int32), np.zeros(0, dtype=np.int32)), (160, 160), 0, 0,
+                None, None, None, None)
+    model = load_model(open_gguf(relu_models["f32"]), N_CTX, FFNOptions(sparsity="off", hybrid=HybridOptions(CPU, plan)))
+    assert isinstance(model.blocks[0].ffn, HybridFFN) and model.blocks[0].ffn.n_hot == len(plan.hot[0])
+    assert isinstance(model.blocks[1].ffn, DenseFFN)  # nothing placed: built as without a plan
+    for value, expected in zip(logits(model, ids), engines["f32"][1]["off"]):
+        torch.testing.assert_close(value, expected, rtol=0, atol=1e-4 * expected.abs().max().item())
+
+
+def place_everything(path: Path) -> float:
+    """Write a GPU index putting every neuron on the accelerator; return a budget (GiB) that covers it."""
+    gguf = open_gguf(path)
+    config = ModelConfig.from_gguf(gguf)
+    shape = model_shape(gguf, config)
+    write_gpu_index(index_path(path), Plan(tuple(np.arange(n, dtype=np.int32) for n in shape.n_ff), shape.n_ff,
+                                           shape.ffn_bytes, shape.ffn_bytes, None, None, None, None))
+    return (dense_parts(gguf, config, N_CTX).total + shape.ffn_bytes) / 2**30
+
+
+@pytest.fixture
+def f32_copy(relu_models, tmp_path) -> Path:
+    """The f32 model alone in a fresh folder (indexes get written next to it)."""
+    path = tmp_path / "model.gguf"
+    shutil.copy(relu_models["f32"], path)
+    return path
+
+
+def test_llm_runs_with_a_stored_index_and_generates_the_same_text(f32_copy, capsys):
+    budget = place_everything(f32_copy)
+    plain = LLM(f32_copy, n_ctx=N_CTX)
+    hybrid = LLM(f32_copy, n_ctx=N_CTX, vram_budget=budget, accelerator="cpu")
+    assert all(isinstance(b.ffn, HybridFFN) and len(b.ffn.cold) == 0 for b in hybrid.model.blocks)
+    assert hybrid.hybrid.plan.solve_seconds is None  # read from the index, not solved
+    assert "placement on cpu: 2/2 layers use the accelerator" in capsys.readouterr().err
+    prompt = "The capital of France is"
+    assert hybrid.generate(prompt, max_tokens=12, temperature=0) == plain.generate(prompt, max_tokens=12, temperature=0)
+
+
+def test_llm_rebuilds_a_corrupt_index_and_honours_reset_and_disable(f32_copy, capsys):
+    budget = place_everything(f32_copy)
+    index = index_path(f32_copy)
+    index.write_bytes(b"PWRI" + bytes(50))
+    llm = LLM(f32_copy, n_ctx=N_CTX, vram_budget=budget / 2, accelerator="cpu")
+    err = capsys.readouterr().err.splitlines()
+    assert sum("warning: ignoring corrupt GPU index" in line for line in err) == 1
+    assert llm.hybrid.plan.solve_seconds is not None
+    assert read_gpu_index(index, (160, 160))[1] == llm.hybrid.plan.capacity  # rewritten, sound
+    place_everything(f32_copy)
+    assert LLM(f32_copy, n_ctx=N_CTX, vram_budget=budget, accelerator="cpu",
+               gpu_index="reset").hybrid.plan.solve_seconds is not None
+    assert LLM(f32_copy, n_ctx=N_CTX, vram_budget=budget, accelerator="cpu", gpu_index="disable").hybrid is None
+    assert "GPU index disabled" in capsys.readouterr().err
+    with pytest.raises(PowerInferError, match="needs dtype 'auto'"):
+        LLM(f32_copy, n_ctx=N_CTX, vram_budget=1.0, dtype="float32")
+    with pytest.raises(PowerInferError, match="VRAM budget must be >= 0"):
+        LLM(f32_copy, n_ctx=N_CTX, vram_budget=-1.0, accelerator="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the note printed without a CUDA device")
+def test_without_cuda_a_budget_is_a_one_line_note(f32_copy, capsys):
+    llm = LLM(f32_copy, n_ctx=N_CTX, vram_budget=4.0)
+    assert llm.hybrid is None and not any(isinstance(b.ffn, HybridFFN) for b in llm.model.blocks)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["powerinfer: no CUDA device: the VRAM budget is ignored and everything runs on the CPU"]
+    assert not index_path(f32_copy).exists()
+    with pytest.raises(PowerInferError, match="no CUDA device"):
+        LLM(f32_copy, n_ctx=N_CTX, vram_budget=4.0, accelerator="cuda")
+
+
+def test_cli_flags_reach_the_hybrid_engine(f32_copy, capsys):
+    from powerinfer.cli import build_parser, main
+
+    budget = place_everything(f32_copy)
+    args = ["run", "-m", str(f32_copy), "-p", "Once upon a time", "-n", "8", "--temp", "0", "-c", str(N_CTX)]
+    assert main([*args, "--vram-budget", f"{budget:.6f}", "--accelerator", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert "placement on cpu: 2/2 layers" in err
+    assert out.rstrip("\n") == LLM(f32_copy, n_ctx=N_CTX).generate("Once upon a time", max_tokens=8, temperature=0)
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*args, "--reset-gpu-index", "--disable-gpu-index"])
+    assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
