@@ -53,6 +53,20 @@ class LlamaBlock:
         else:
             x.add_(self.ffn(self.step.ffn_input(x), x))
 
+    def decode_rows(self, x: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache, rotations: torch.Tensor) -> None:
+        """One token of each of several sequences (x [rows, d], updated in place): per row the same
+        arithmetic as `decode`, with the projections batched. rotations: RoPE at each row's position."""
+        if self.step is None or self.observer is not None:
+            x.copy_(self(x, spans, cache))
+            return
+        layer = self.attention.layer
+        self.step.attention_rows(x, cache.keys[layer], cache.values[layer], [s.slot for s in spans],
+                                 [s.start for s in spans], rotations)
+        if isinstance(self.ffn, DenseFFN):
+            self.step.dense_ffn(x)
+        else:
+            x.add_(self.ffn(self.step.ffn_input(x), x))
+
     def _native_step(self):
         """The C++ single-token step, when the native build and this block's weights allow it."""
         ops = native.load()
@@ -106,6 +120,10 @@ class LlamaModel(CausalLM):
         if len(spans) == 1 and spans[0].length == 1:
             for block in self.blocks:
                 block.decode(x, spans[0], cache)
+        elif all(s.length == 1 for s in spans):  # a decode step of several sequences
+            rotations = self.blocks[0].attention.rope.rotations[[s.start for s in spans]]  # shared by all blocks
+            for block in self.blocks:
+                block.decode_rows(x, spans, cache, rotations)
         else:
             for block in self.blocks:
                 x = block(x, spans, cache)

@@ -57,6 +57,37 @@ class LlamaBlockStep {
     x.add_(output_(out.view({1, n_head_ * head_dim_})));
   }
 
+  // x += attention(norm(x)) for one token of each of several sequences: row b of x [rows, d] sits at
+  // positions[b] in cache slot slots[b] of keys/values [slots, kv_heads, n_ctx, head_dim];
+  // rotations: [rows, 1, head_dim / 2]. The projections run once for all rows; each row's attention
+  // is the single-token computation above on the same views, so rows get exactly the result they
+  // would get one at a time. Rows are spread over the threads (each attention is small).
+  void attention_rows(torch::Tensor x, torch::Tensor keys, torch::Tensor values, std::vector<int64_t> slots,
+                      std::vector<int64_t> positions, torch::Tensor rotations) const {
+    const int64_t rows = x.size(0), qk_heads = n_head_ + n_head_kv_;
+    TORCH_CHECK(static_cast<int64_t>(slots.size()) == rows && static_cast<int64_t>(positions.size()) == rows,
+                "one slot and one position per row");
+    torch::Tensor qkv = qkv_(attn_norm_(x)).to(torch::kFloat32);  // [rows, (q+2kv) * hd]
+    torch::Tensor qk = qkv.narrow(1, 0, qk_heads * head_dim_).reshape({rows, qk_heads, head_dim_ / 2, 2});
+    qk = torch::view_as_real(torch::view_as_complex(qk) * rotations).view({rows, qk_heads, head_dim_});
+    torch::Tensor v = qkv.narrow(1, qk_heads * head_dim_, n_head_kv_ * head_dim_).reshape({rows, n_head_kv_, head_dim_});
+    torch::Tensor out = torch::empty({rows, n_head_ * head_dim_}, qk.options());
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      c10::InferenceMode guard;  // thread-local: the workers do not inherit the caller's mode
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t pos = positions[b];
+        torch::Tensor k_slot = keys.narrow(0, slots[b], 1), v_slot = values.narrow(0, slots[b], 1);
+        k_slot.select(2, pos).select(0, 0).copy_(qk[b].narrow(0, n_head_, n_head_kv_));
+        v_slot.select(2, pos).select(0, 0).copy_(v[b]);
+        torch::Tensor q = qk[b].narrow(0, 0, n_head_).view({1, n_head_, 1, head_dim_});
+        torch::Tensor o = at::scaled_dot_product_attention(q, k_slot.narrow(2, 0, pos + 1), v_slot.narrow(2, 0, pos + 1),
+                                                           {}, 0.0, false, c10::nullopt, true);
+        out[b].copy_(o.view({n_head_ * head_dim_}));
+      }
+    });
+    x.add_(output_(out));
+  }
+
   // x += ffn(norm(x)), all neurons.
   void dense_ffn(torch::Tensor x) const {
     TORCH_CHECK(up_.has_value() && down_.has_value(), "this block has no dense FFN weights");
@@ -97,6 +128,7 @@ void register_decode_step(pybind11::module& m) {
       .def(py::init<torch::Tensor, torch::Tensor, Int4Projection, Int4Projection, int64_t, int64_t, int64_t,
                     torch::Tensor, torch::Tensor, c10::optional<Int4Projection>, c10::optional<Int4Projection>, int64_t>())
       .def("attention", &LlamaBlockStep::attention)
+      .def("attention_rows", &LlamaBlockStep::attention_rows)
       .def("dense_ffn", &LlamaBlockStep::dense_ffn)
       .def("ffn_input", &LlamaBlockStep::ffn_input);
 }

@@ -1,0 +1,73 @@
+"""One request's path from the scheduler's worker thread to an async route handler."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request as HTTPRequest
+
+from powerinfer.runtime.scheduler import Event, Request, Scheduler
+from powerinfer.runtime.sequence import Completion, GenerationSequence
+from powerinfer.server.errors import error_body, from_exception
+
+DISCONNECT_POLL_SECONDS = 0.5  # how often a waiting non-streaming answer checks its client is still there
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request disconnected before the answer was ready."""
+
+
+class Generation:
+    """Runs `sequence` on the scheduler; events arrive on this event loop's queue."""
+
+    def __init__(self, scheduler: Scheduler, sequence: GenerationSequence):
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.request = Request(sequence, lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event))
+        self.scheduler = scheduler
+        self.sequence = sequence
+
+    async def events(self, client: HTTPRequest | None = None) -> AsyncIterator[Event]:
+        """Events up to the final one. Stopping early (a streaming client that went away cancels
+        the task consuming this) cancels the request, which frees its slot. With `client`, a
+        disconnect is also noticed while waiting (non-streaming answers)."""
+        self.scheduler.submit(self.request)
+        getter: asyncio.Future[Event] | None = None
+        try:
+            while True:
+                getter = getter or asyncio.ensure_future(self.queue.get())
+                done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_SECONDS)
+                if not done:
+                    if client is not None and await client.is_disconnected():
+                        raise ClientGone()
+                    continue
+                event, getter = getter.result(), None
+                yield event
+                if event.final:
+                    return
+        finally:
+            if getter is not None:
+                getter.cancel()
+            self.scheduler.cancel(self.request)
+
+    async def result(self, client: HTTPRequest) -> Completion:
+        """The finished completion; a failed generation raises its error."""
+        async for event in self.events(client):
+            if event.error is not None:
+                raise event.error
+            if event.completion is not None:
+                return event.completion
+        raise ClientGone()
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def sse_error(error: Exception) -> str:
+    """A failure after the answer started: an error event (the status line was already sent)."""
+    api = from_exception(error)
+    return sse(error_body(api.message, api.type, api.param, api.code))

@@ -1,0 +1,405 @@
+"""The HTTP server: OpenAI and llama.cpp routes, continuous batching, robustness against any body."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from powerinfer.commands.serve import listen
+from powerinfer.errors import PowerInferError
+from powerinfer.runtime.engine import Engine
+from powerinfer.server.app import create_app
+
+PARALLEL = 4
+PROMPTS = [f"{subject} is" for subject in (
+    "The capital of France", "Water", "A good breakfast", "The tallest mountain", "Python", "The moon",
+    "My favourite colour", "The first computer", "A triangle", "Winter", "The ocean", "Music",
+    "The best way to learn", "A cat", "The year 1492", "Coffee")]
+
+
+class ServerThread:
+    """uvicorn serving `app` on a free loopback port from a background thread."""
+
+    def __init__(self, app):
+        sock = listen("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(default_llm) -> Iterator[ServerThread]:
+    running = ServerThread(create_app(default_llm, parallel=PARALLEL))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_id(client) -> str:
+    return client.models.list().data[0].id
+
+
+def scheduler_of(server: ServerThread):
+    return server.server.config.app.state.server.scheduler
+
+
+def wait_idle(server: ServerThread, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while scheduler_of(server).stats().active or scheduler_of(server).stats().queued:
+        assert time.monotonic() < deadline, "requests still running"
+        time.sleep(0.01)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+# ---------------------------------------------------------------- routes
+
+
+def test_health_models_tokenize_detokenize(server, default_llm, model_id):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert model_id == default_llm.path.name
+    ids = httpx.post(f"{server.url}/tokenize", json={"content": "Hello world"}).json()["tokens"]
+    assert ids == default_llm.tokenize("Hello world", add_bos=False)
+    special = httpx.post(f"{server.url}/tokenize", json={"content": "Hi", "add_special": True}).json()["tokens"]
+    assert special == default_llm.tokenize("Hi", add_bos=True)
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json() == {"content": "Hello world"}
+
+
+def test_completion_greedy_equals_generate(client, model_id, default_llm):
+    prompt = "The capital of France is"
+    expected = default_llm.complete(prompt, max_tokens=12, temperature=0)
+    answer = client.completions.create(model=model_id, prompt=prompt, max_tokens=12, temperature=0)
+    assert answer.choices[0].text == expected.text
+    assert answer.choices[0].finish_reason == expected.finish_reason == "length"
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (expected.prompt_tokens, 12)
+    assert answer.usage.total_tokens == expected.prompt_tokens + 12
+    pieces = list(client.completions.create(model=model_id, prompt=prompt, max_tokens=12, temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == expected.text
+    assert pieces[-1].choices[0].finish_reason == "length"
+    ids = default_llm.tokenize(prompt)
+    assert client.completions.create(model=model_id, prompt=ids, max_tokens=12, temperature=0).choices[0].text == expected.text
+
+
+def test_seeded_sampling_equals_generate(client, model_id, default_llm):
+    sampling = dict(temperature=1.0, top_p=0.9, seed=1234)
+    expected = default_llm.generate("Once upon a time", max_tokens=16, top_k=40, min_p=0.05, **sampling)
+    answer = client.completions.create(model=model_id, prompt="Once upon a time", max_tokens=16, **sampling)
+    assert answer.choices[0].text == expected
+
+
+def test_stop_string(client, model_id, default_llm):
+    full = default_llm.generate("1, 2, 3, 4,", max_tokens=16, temperature=0)
+    stop = full.strip()[2:5]
+    answer = client.completions.create(model=model_id, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[stop])
+    assert answer.choices[0].finish_reason == "stop"
+    assert full.startswith(answer.choices[0].text) and stop not in answer.choices[0].text
+
+
+def test_chat_greedy_equals_llm_chat(client, model_id, default_llm):
+    messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name three rivers."}]
+    expected = default_llm.chat(messages, max_tokens=24, temperature=0)
+    answer = client.chat.completions.create(model=model_id, messages=messages, max_tokens=24, temperature=0)
+    assert answer.choices[0].message.content == expected
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.usage.prompt_tokens == len(default_llm.chat_prompt(messages))
+    chunks = list(client.chat.completions.create(model=model_id, messages=messages, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == answer.usage.completion_tokens
+
+
+def test_chat_stops_at_end_of_turn(client, model_id, default_llm):
+    messages = [{"role": "user", "content": "Which city is the capital of France?"}]
+    answer = client.chat.completions.create(model=model_id, messages=messages, max_tokens=64, temperature=0)
+    assert answer.choices[0].finish_reason == "stop" and "Paris" in answer.choices[0].message.content
+    assert answer.choices[0].message.content == default_llm.chat(messages, max_tokens=64, temperature=0)
+
+
+def test_llama_completion(server, default_llm):
+    prompt = "The capital of France is"
+    expected = default_llm.generate(prompt, max_tokens=8, temperature=0)
+    body = httpx.post(f"{server.url}/completion", json={"prompt": prompt, "n_predict": 8, "temperature": 0}, timeout=60).json()
+    assert body["content"] == expected and body["stop"] is True and body["stop_type"] == "limit"
+    assert body["tokens_predicted"] == 8 and body["tokens_evaluated"] == len(default_llm.tokenize(prompt))
+    assert body["timings"]["predicted_n"] == 8 and body["timings"]["predicted_per_second"] > 0
+    with httpx.stream("POST", f"{server.url}/completion", timeout=60,
+                      json={"prompt": prompt, "n_predict": 8, "temperature": 0, "stream": True}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert "".join(e["content"] for e in events) == expected
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert events[-1]["tokens_predicted"] == 8
+
+
+def test_metrics(server, client, model_id):
+    before = httpx.get(f"{server.url}/metrics").text
+    client.completions.create(model=model_id, prompt="Hello", max_tokens=4, temperature=0)
+    after = httpx.get(f"{server.url}/metrics").text
+    value = lambda text, name: float(re.search(rf"^powerinfer_{name} (\S+)$", text, re.M).group(1))  # noqa: E731
+    assert value(after, "requests_total") == value(before, "requests_total") + 1
+    assert value(after, "tokens_generated_total") == value(before, "tokens_generated_total") + 4
+    assert value(after, "prompt_tokens_total") > value(before, "prompt_tokens_total")
+    assert value(after, "tokens_per_second") > 0
+    assert value(after, "queue_length") == 0 and value(after, "active_slots") == 0 and value(after, "slots") == PARALLEL
+
+
+# ---------------------------------------------------------------- batching
+
+
+def test_batched_decode_gives_each_row_its_own_logits_exactly(default_llm):
+    """What makes batched greedy output equal single-sequence output: bit-identical logits."""
+    prompts = [default_llm.tokenize(p) for p in PROMPTS[:5]]
+    batched = Engine(default_llm.model, default_llm.n_ctx, n_slots=len(prompts))
+    alone = Engine(default_llm.model, default_llm.n_ctx)
+    for slot, ids in enumerate(prompts):
+        batched.prefill(slot, ids)
+    together = batched.decode([(slot, 42 + slot) for slot in range(len(prompts))])
+    for slot, ids in enumerate(prompts):
+        alone.prefill(0, ids, reuse_prefix=False)
+        assert torch.equal(together[slot], alone.decode([(0, 42 + slot)])[0])
+
+
+def test_concurrent_streams_equal_single_runs(server, client, model_id, default_llm):
+    """16 streams at once on 4 slots: some queue, all finish, each with the text it gets alone."""
+    expected = [default_llm.generate(p, max_tokens=12, temperature=0) for p in PROMPTS]
+    seen = {"active": 0, "queued": 0}
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            stats = scheduler_of(server).stats()
+            seen["active"], seen["queued"] = max(seen["active"], stats.active), max(seen["queued"], stats.queued)
+            time.sleep(0.002)
+
+    def stream(prompt: str) -> str:
+        chunks = client.completions.create(model=model_id, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in chunks)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            texts = list(pool.map(stream, PROMPTS))
+    finally:
+        done.set()
+        watcher.join()
+    assert texts == expected
+    assert seen["active"] == PARALLEL and seen["queued"] > 0
+
+
+def test_client_disconnect_frees_slot(server):
+    before = scheduler_of(server).stats().generated_tokens
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                      json={"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": True}) as response:
+        lines = response.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        assert scheduler_of(server).stats().active == 1
+    wait_idle(server)
+    assert scheduler_of(server).stats().generated_tokens - before < 200
+
+
+# ---------------------------------------------------------------- bad requests
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b"{not json", None),
+    ("/v1/completions", b"[1, 2]", None),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": 1e-9}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**70}, "seed"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": []}, None),
+    ("/v1/completions", {"prompt": [10**9]}, None),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, None),
+    ("/completion", {"prompt": "x", "n_predict": -2}, "n_predict"),
+    ("/completion", {"prompt": "x", "repeat_penalty": 0}, "repeat_penalty"),
+    ("/tokenize", {"content": 7}, "content"),
+    ("/detokenize", {"tokens": [-1]}, None),
+    ("/detokenize", {"tokens": [10**6]}, "tokens"),
+]
+
+
+@pytest.mark.parametrize("route, body, param", BAD_REQUESTS)
+def test_bad_requests_get_400(server, route, body, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    assert_error(httpx.post(f"{server.url}{route}", content=content), 400, param)
+
+
+def test_unknown_model_and_route(server):
+    error = assert_error(httpx.post(f"{server.url}/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404, "model")
+    assert error["code"] == "model_not_found"
+    assert_error(httpx.get(f"{server.url}/v2/nothing"), 404)
+    assert_error(httpx.get(f"{server.url}/v1/completions"), 405)
+
+
+def test_prompt_longer_than_context(server, default_llm):
+    prompt = "word " * (default_llm.n_ctx + 10)
+    for route, body in [("/v1/completions", {"prompt": prompt}), ("/completion", {"prompt": prompt}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]})]:
+        error = assert_error(httpx.post(f"{server.url}{route}", json=body, timeout=60), 400)
+        assert error["code"] == "context_length_exceeded"
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8,
+)
+TOKEN_IDS = st.lists(st.integers(0, 49151), min_size=1, max_size=6)
+# Values a client could well send; the fuzz mixes them with arbitrary JSON.
+VALID = {
+    "prompt": st.text(max_size=40) | TOKEN_IDS,
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                                "content": st.text(max_size=30)}), min_size=1, max_size=3),
+    "content": st.text(max_size=40),
+    "tokens": TOKEN_IDS,
+    "temperature": st.just(0.0) | st.floats(0.001, 3),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(0, 100),
+    "min_p": st.floats(0, 1),
+    "repeat_penalty": st.floats(0.5, 2),
+    "seed": st.integers(-5, 2**64 - 1),
+    "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=3),
+    "stream": st.booleans(),
+    "model": st.none() | st.text(max_size=10),
+    "n": st.just(1) | st.integers(0, 2),
+    "add_special": st.booleans(),
+}
+# Present on every body and never a large or unlimited (-1) count: generation stays short.
+LIMITS = st.integers(0, 4) | st.integers(-5, -2) | st.text(max_size=3) | st.floats(0.5, 2.5) | st.lists(st.integers(), max_size=2)
+LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "n_predict")
+
+
+@st.composite
+def bodies(draw) -> dict:
+    limits = draw(st.fixed_dictionaries({key: st.integers(0, 4) for key in LIMIT_KEYS}))
+    required = {key: VALID[key] for key in ("prompt", "messages", "content", "tokens")}  # one per route
+    fields = draw(st.fixed_dictionaries(required, optional={k: v for k, v in VALID.items() if k not in required}))
+    for key in draw(st.lists(st.sampled_from(sorted(VALID)), max_size=2)):  # some fields become arbitrary JSON
+        fields[key] = draw(JSON)
+    for key in draw(st.lists(st.sampled_from(LIMIT_KEYS), max_size=1)):
+        limits[key] = draw(LIMITS)
+    return {**fields, **limits}
+
+
+ROUTES = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/completion", "/tokenize", "/detokenize"])
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(route=ROUTES, body=bodies() | JSON)
+def test_fuzzed_bodies_never_fail_the_server(server, route, body):
+    response = httpx.post(f"{server.url}{route}", content=json.dumps(body).encode(), timeout=60)
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        assert_error(response, response.status_code)
+    wait_idle(server)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+# ---------------------------------------------------------------- startup
+
+
+def test_health_is_503_while_loading(default_llm):
+    release = threading.Event()
+
+    def slow_load():
+        release.wait(30)
+        return default_llm
+
+    loading = ServerThread(create_app(slow_load, parallel=1))
+    try:
+        assert_error(httpx.get(f"{loading.url}/v1/models"), 503)
+        assert httpx.get(f"{loading.url}/health").status_code == 503
+        release.set()
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{loading.url}/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        loading.stop()
+
+
+def test_load_failure_is_reported():
+    failures = []
+
+    def broken():
+        raise PowerInferError("model.gguf: no such file")
+
+    failing = ServerThread(create_app(broken, on_load_error=failures.append))
+    try:
+        deadline = time.monotonic() + 10
+        while not failures:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert httpx.get(f"{failing.url}/health").json() == {"status": "error"}
+    finally:
+        failing.stop()
+
+
+def serve_command(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "powerinfer.cli", "serve", *args], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_serve_command_missing_model(tmp_path):
+    process = serve_command("-m", str(tmp_path / "none.gguf"), "--port", "0")
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 2
+    assert stderr.strip().splitlines() == [f"powerinfer serve: error: {tmp_path / 'none.gguf'}: no such file"]
+
+
+def test_serve_command_answers(default_model, default_llm):
+    process = serve_command("-m", str(default_model), "--port", "0", "--parallel", "2", "-c", "256")
+    try:
+        url = re.search(r"listening on (http://\S+)", process.stderr.readline()).group(1)
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{url}/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        body = httpx.post(f"{url}/completion", json={"prompt": "Once upon a time", "n_predict": 8, "temperature": 0},
+                          timeout=60).json()
+        assert body["content"] == default_llm.generate("Once upon a time", max_tokens=8, temperature=0)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
