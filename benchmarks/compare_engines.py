@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
-RESULTS = Path(__file__).parent / "results" / "dense_engines.md"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "dense_engines.md"
 
 
 # ---------------------------------------------------------------- workers (one engine each)
@@ -233,7 +234,7 @@ def main() -> None:
     import torch as _torch
 
     report = [
-        "# Dense engines side by side",
+        "# Engines side by side" if args.sparse_model else "# Dense engines side by side",
         "",
         f"Measured {datetime.date.today().isoformat()} on {machine_description()}; torch {_torch.__version__}.",
         f"Model: `{Path(args.model).name}`; {args.threads} threads; medians of {args.reps} interleaved repetitions",
@@ -245,7 +246,8 @@ def main() -> None:
         table,
         "",
         f"Command: `.venv/bin/python benchmarks/compare_engines.py --threads {args.threads} --reps {args.reps} "
-        f"--engines {' '.join(args.engines)}{' --sparse-model FILE' if args.sparse_model else ''}`",
+        f"--engines {' '.join(args.engines)}{' --sparse-model FILE' if args.sparse_model else ''}"
+        f"{'' if args.out == RESULTS else f' --out {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}'}`",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(report) + "\n")

@@ -9,7 +9,7 @@ Rows, in one run on the same file and chunks:
 
     .venv/bin/python benchmarks/sparsity_perplexity.py --predicted 0.5=/path/model.pwri.gguf [--chunks N]
 
-Writes benchmarks/results/sparsity_perplexity.md and docs/sparsity_perplexity.png.
+Writes benchmarks/results/sparsity_perplexity.md and docs/sparsity_perplexity.png (`-o`, `--plot`).
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ def main() -> int:
     parser.add_argument("--calibration-tokens", type=int, default=16384)
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("-t", "--threads", type=int, default=2)
+    parser.add_argument("-o", "--output", type=Path, default=RESULTS, help=f"markdown table (default: {RESULTS})")
+    parser.add_argument("--plot", type=Path, default=PLOT, help=f"plot of the curve (default: {PLOT}); 'none' for no plot")
     args = parser.parse_args()
 
     from powerinfer import LLM
@@ -112,12 +114,13 @@ def main() -> int:
         result = run_perplexity(logits(predicted), chunks, f"predicted {target}")
         rows.append(("predicted", float(target), measured_sparsity(predicted, chunks), result.ppl, result.error))
 
-    write_results(rows, len(chunks), model)
-    plot(rows)
+    write_results(rows, len(chunks), model, args.output)
+    if str(args.plot) != "none":
+        plot(rows, args.plot, len(chunks))
     return 0
 
 
-def write_results(rows, n_chunks: int, model: str) -> None:
+def write_results(rows, n_chunks: int, model: str, output: Path) -> None:
     base = rows[0][3]
     lines = [
         "# SmolLM2 perplexity under activation sparsity",
@@ -126,17 +129,19 @@ def write_results(rows, n_chunks: int, model: str) -> None:
         f"`benchmarks/sparsity_perplexity.py` · model `{Path(model).name}` · wikitext-2 test.txt, c={N_CTX}, "
         f"{n_chunks} chunks · thresholds and predictors from valid.txt only",
         "",
+        f"Command: `.venv/bin/python benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}`",
+        "",
         "| mode | target sparsity | measured sparsity (decode) | PPL | ± | × dense |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for kind, target, sparsity, ppl, error in rows:
         target_text = "" if target is None else f"{target:.0%}"
         lines.append(f"| {kind} | {target_text} | {sparsity:.1%} | {ppl:.4f} | {error:.4f} | {ppl / base:.4f} |")
-    RESULTS.write_text("\n".join(lines) + "\n")
+    output.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
-def plot(rows) -> None:
+def plot(rows, path: Path, n_chunks: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,11 +157,11 @@ def plot(rows) -> None:
     ax.axhline(1.02, color="grey", lw=0.8, ls=":", label="1.02 × dense")
     ax.set_xlabel("FFN neurons skipped per token (%)")
     ax.set_ylabel("perplexity / dense")
-    ax.set_title("SmolLM2-135M, wikitext-2 test")
+    ax.set_title(f"SmolLM2-135M, wikitext-2 test ({n_chunks} chunks of {N_CTX})")
     ax.legend()
     fig.tight_layout()
-    PLOT.parent.mkdir(exist_ok=True)
-    fig.savefig(PLOT, dpi=120)
+    path.parent.mkdir(exist_ok=True)
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,20 @@ def make_tiny_llama(folder: Path, hidden_act: str, seed: int = 0, tokenizer_from
     return model
 
 
+def convert_each(folder: Path, outtypes: tuple[str, ...]) -> dict[str, Path]:
+    """The checkpoint in `folder` converted to each type, as `folder/<type>/model.gguf` (one folder
+    per file, since a GPU index is written next to its model)."""
+    from powerinfer.convert.encode import parse_outtype
+    from powerinfer.convert.hf import convert_hf
+
+    paths = {}
+    for outtype in outtypes:
+        paths[outtype] = folder / outtype / "model.gguf"
+        paths[outtype].parent.mkdir()
+        convert_hf(folder, paths[outtype], parse_outtype(outtype), progress=False)
+    return paths
+
+
 @pytest.fixture(scope="session", params=["relu", "silu"])
 def tiny_llama(request, tmp_path_factory, default_model):
     """(transformers model, checkpoint folder, {outtype: converted GGUF path}) for a tiny llama."""

@@ -70,21 +70,14 @@ def test_no_active_neuron_gives_zeros():
 @pytest.fixture(scope="module")
 def relu_models(tmp_path_factory, default_model) -> dict[str, Path]:
     """A tiny ReLU llama (with the default model's vocabulary) in f32 and q4_0, each in its own folder."""
-    from conftest import make_tiny_llama
-    from powerinfer.convert.encode import parse_outtype
-    from powerinfer.convert.hf import convert_hf
+    from conftest import convert_each, make_tiny_llama
     from powerinfer.tokenizer import Tokenizer
 
     folder = tmp_path_factory.mktemp("tiny-relu-hybrid")
     make_tiny_llama(folder, "relu")
     # our own tokenizer saved as tokenizer.json: seconds faster than transformers reading the GGUF
     Tokenizer.from_gguf(open_gguf(default_model)).backend.save(str(folder / "tokenizer.json"))
-    paths = {}
-    for outtype in ("f32", "q4_0"):
-        paths[outtype] = folder / outtype / "model.gguf"
-        paths[outtype].parent.mkdir()
-        convert_hf(folder, paths[outtype], parse_outtype(outtype), progress=False)
-    return paths
+    return convert_each(folder, ("f32", "q4_0"))
 
 
 @pytest.fixture(scope="module")

@@ -191,18 +191,11 @@ def test_corrupt_index_is_reported_and_ignored(tmp_path, damage):
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """A tiny ReLU llama in f32 and q4_0 (no tokenizer: placement reads tensors and metadata only)."""
-    from conftest import make_tiny_llama
-    from powerinfer.convert.encode import parse_outtype
-    from powerinfer.convert.hf import convert_hf
+    from conftest import convert_each, make_tiny_llama
 
     folder = tmp_path_factory.mktemp("tiny-relu-placement")
     make_tiny_llama(folder, "relu")
-    paths = {}
-    for outtype in ("f32", "q4_0"):
-        paths[outtype] = folder / outtype / "model.gguf"
-        paths[outtype].parent.mkdir()
-        convert_hf(folder, paths[outtype], parse_outtype(outtype), progress=False)
-    return paths
+    return convert_each(folder, ("f32", "q4_0"))
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q4_0"])

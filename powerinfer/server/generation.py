@@ -34,23 +34,24 @@ class Generation:
         the task consuming this) cancels the request, which frees its slot. With `client`, a
         disconnect is also noticed while waiting (non-streaming answers)."""
         self.scheduler.submit(self.request)
-        getter: asyncio.Future[Event] | None = None
         try:
             while True:
-                getter = getter or asyncio.ensure_future(self.queue.get())
-                done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_SECONDS)
-                if not done:
-                    if client is not None and await client.is_disconnected():
-                        raise ClientGone()
-                    continue
-                event, getter = getter.result(), None
+                # Streaming: a disconnect cancels the task consuming this, no polling needed.
+                event = await (self.queue.get() if client is None else self._next_watching(client))
                 yield event
                 if event.final:
                     return
         finally:
-            if getter is not None:
-                getter.cancel()
             self.scheduler.cancel(self.request)
+
+    async def _next_watching(self, client: HTTPRequest) -> Event:
+        """The next event, checking every DISCONNECT_POLL_SECONDS that the client is still there."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_SECONDS)
+            except TimeoutError:  # the cancelled get() loses no event
+                if await client.is_disconnected():
+                    raise ClientGone() from None
 
     async def result(self, client: HTTPRequest) -> Completion:
         """The finished completion; a failed generation raises its error."""
