@@ -42,7 +42,8 @@ HF_GATED_ACTIVATIONS = {
 }
 
 LLAMA_FAMILY = ("llama", "bamboo")
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + ("falcon", "opt")
+OPT_POSITION_OFFSET = 2  # OPT's learned position table starts with two unused rows
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,11 @@ class ModelConfig:
         head_dim = int(key("attention.key_length", n_embd // n_head))
         tokens = gguf.get("tokenizer.ggml.tokens")
         n_vocab = int(gguf.get(f"{arch}.vocab_size") or (len(tokens) if tokens else gguf.tensor("token_embd.weight").shape[0]))
+        n_ctx_train = int(key("context_length", 2048))
+        if arch == "opt":  # PowerInfer writes 2050, the position table's rows, of which 2 are unused
+            n_ctx_train = min(n_ctx_train, gguf.tensor("position_embd.weight").shape[0] - OPT_POSITION_OFFSET)
+        # the llama family's RMSNorm eps, or Falcon's and OPT's LayerNorm eps
+        eps_key = "attention.layer_norm_rms_epsilon" if arch in LLAMA_FAMILY else "attention.layer_norm_epsilon"
         scaling = gguf.get(f"{arch}.rope.scaling.type", "none")
         if scaling not in ("none", "linear"):
             raise UnsupportedModelError(f"{gguf.path}: unsupported RoPE scaling {scaling!r}")
@@ -103,11 +109,11 @@ class ModelConfig:
             n_head_kv=int(key("attention.head_count_kv", n_head)),
             head_dim=head_dim,
             n_vocab=n_vocab,
-            n_ctx_train=int(key("context_length", 2048)),
+            n_ctx_train=n_ctx_train,
             rope_dim=int(key("rope.dimension_count", head_dim)),
             rope_freq_base=float(key("rope.freq_base", 10000.0)),
             rope_scale=float(key("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
-            norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            norm_eps=float(key(eps_key, 1e-5)),
             activation=_activation(gguf, arch),
         )
 
@@ -121,6 +127,10 @@ def _activation(gguf: GGUFFile, arch: str) -> FFNActivation:
             raise UnsupportedModelError(f"{gguf.path}: unsupported FFN activation {stored!r}") from None
     if arch == "bamboo":
         return FFNActivation.DRELU
+    if arch == "opt":
+        return FFNActivation.RELU
+    if arch == "falcon":  # PowerInfer's sparse Falcon is ReLU-Falcon; llama.cpp's Falcon is GELU
+        return FFNActivation.RELU if gguf.is_powerinfer else FFNActivation.GELU
     if gguf.is_powerinfer:
         # PowerInfer's sparse llama models are ReLU-Llama (ReGLU); it never stored the activation.
         return FFNActivation.RELU_GATED

@@ -1,12 +1,14 @@
 """Hugging Face checkpoint folder (config.json, safetensors, tokenizer files) -> GGUF.
 
-Tensor names follow llama.cpp through `gguf.TensorNameMap`; Q and K rows are permuted the way
-llama.cpp's converter does, so our files and llama.cpp's are interchangeable.
+Tensor names follow llama.cpp through `gguf.TensorNameMap` (OPT: PowerInfer's llama.cpp fork);
+llama's Q and K rows are permuted, and Falcon's fused QKV rows reordered, the way llama.cpp's
+converter does, so our files and llama.cpp's are interchangeable.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,9 +16,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import MODEL_ARCH, GGMLQuantizationType, get_tensor_name_map
+from gguf import MODEL_ARCH, GGMLQuantizationType, TensorNameMap, get_tensor_name_map
 
-from powerinfer.config import ACTIVATION_KEY, HF_GATED_ACTIVATIONS
+from powerinfer.config import ACTIVATION_KEY, HF_GATED_ACTIVATIONS, FFNActivation
 from powerinfer.convert.model import ModelSource, write_model
 from powerinfer.convert.tokenizer import tokenizer_metadata
 from powerinfer.errors import ModelFileError, UnsupportedModelError
@@ -67,6 +69,36 @@ def _permute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def _rope_metadata(ckpt: HFCheckpoint, arch: str) -> dict[str, Any]:
+    """RoPE base and linear scaling, from `rope_parameters` (transformers >= 5) or `rope_theta` and
+    `rope_scaling` (older configs)."""
+    c = ckpt.config
+    params = c.get("rope_parameters") or {}
+    meta: dict[str, Any] = {f"{arch}.rope.freq_base": float(params.get("rope_theta", c.get("rope_theta", 10000.0)))}
+    scaling = c.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        meta[f"{arch}.rope.scaling.type"] = "linear"
+        meta[f"{arch}.rope.scaling.factor"] = float(scaling["factor"])
+    elif kind not in (None, "default"):
+        raise UnsupportedModelError(f"{ckpt.folder}: unsupported rope_scaling {scaling}")
+    return meta
+
+
+def _reject(ckpt: HFCheckpoint, variants: dict[str, bool]) -> None:
+    """Raise for the first unsupported variant (description -> whether the checkpoint is one)."""
+    for what, found in variants.items():
+        if found:
+            raise UnsupportedModelError(f"{ckpt.folder}: {ckpt.architecture_class} with {what} is not supported")
+
+
+def _gguf_name(ckpt: HFCheckpoint, names: TensorNameMap, hf_name: str) -> str:
+    name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise UnsupportedModelError(f"{ckpt.folder}: cannot map tensor {hf_name!r}")
+    return name
+
+
 def llama_metadata(ckpt: HFCheckpoint) -> tuple[str, dict[str, Any]]:
     c = ckpt.config
     activation = HF_GATED_ACTIVATIONS.get(c.get("hidden_act", "silu"))
@@ -82,20 +114,14 @@ def llama_metadata(ckpt: HFCheckpoint) -> tuple[str, dict[str, Any]]:
         f"{arch}.feed_forward_length": int(c["intermediate_size"]),
         f"{arch}.attention.head_count": int(n_head),
         f"{arch}.attention.head_count_kv": int(c.get("num_key_value_heads") or n_head),
-        f"{arch}.rope.freq_base": float(c.get("rope_theta", 10000.0)),
         f"{arch}.attention.layer_norm_rms_epsilon": float(c.get("rms_norm_eps", 1e-6)),
         f"{arch}.rope.dimension_count": int(head_dim),
         f"{arch}.vocab_size": int(c["vocab_size"]),
         ACTIVATION_KEY: activation.value,
+        **_rope_metadata(ckpt, arch),
     }
     if head_dim != c["hidden_size"] // n_head:
         meta[f"{arch}.attention.key_length"] = meta[f"{arch}.attention.value_length"] = int(head_dim)
-    scaling = c.get("rope_scaling") or {}
-    if scaling.get("type", scaling.get("rope_type")) == "linear":
-        meta[f"{arch}.rope.scaling.type"] = "linear"
-        meta[f"{arch}.rope.scaling.factor"] = float(scaling["factor"])
-    elif scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise UnsupportedModelError(f"{ckpt.folder}: unsupported rope_scaling {scaling}")
     return arch, meta
 
 
@@ -109,9 +135,7 @@ def llama_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
     for hf_name, tensor in ckpt.tensors():
         if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
             continue
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if name is None:
-            raise UnsupportedModelError(f"{ckpt.folder}: cannot map tensor {hf_name!r}")
+        name = _gguf_name(ckpt, names, hf_name)
         if name.endswith("attn_q.weight"):
             tensor = _permute_qk(tensor, n_head)
         elif name.endswith("attn_k.weight"):
@@ -119,10 +143,124 @@ def llama_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
         yield name, tensor.numpy()
 
 
+# Falcon's `activation` -> ours. llama.cpp computes GELU with the tanh approximation; so do we.
+FALCON_ACTIVATIONS = {"relu": FFNActivation.RELU, "gelu": FFNActivation.GELU, "gelu_new": FFNActivation.GELU,
+                      "gelu_pytorch_tanh": FFNActivation.GELU}
+
+
+def _falcon_heads(c: dict[str, Any]) -> tuple[int, int]:
+    """(query heads, KV heads) as transformers reads a Falcon config: the 7B layout has one KV head
+    (multi_query) or one per query head; the new decoder architecture has num_kv_heads."""
+    n_head = c["num_attention_heads"]
+    if c.get("new_decoder_architecture", False):
+        return n_head, c.get("num_kv_heads") or n_head
+    return n_head, 1 if c.get("multi_query", True) else n_head
+
+
+def _falcon_qkv(weight: torch.Tensor, n_head: int, n_head_kv: int) -> torch.Tensor:
+    """Falcon's fused QKV rows come per KV group as [its query heads, key, value]; llama.cpp (and
+    our Attention) wants all query heads, then all key heads, then all value heads."""
+    groups = weight.reshape(n_head_kv, n_head // n_head_kv + 2, -1, weight.shape[-1])
+    q, k, v = groups[:, :-2], groups[:, -2], groups[:, -1]
+    return torch.cat([part.reshape(-1, weight.shape[-1]) for part in (q, k, v)])
+
+
+def falcon_metadata(ckpt: HFCheckpoint) -> tuple[str, dict[str, Any]]:
+    c = ckpt.config
+    _reject(ckpt, {
+        "ALiBi positions (alibi=true)": c.get("alibi", False),
+        "sequential attention and FFN (parallel_attn=false)": not c.get("parallel_attn", True),
+        "linear-layer biases (bias=true)": c.get("bias", False),
+        f"activation {c.get('activation')!r}": c.get("activation", "gelu") not in FALCON_ACTIVATIONS,
+    })
+    n_head, n_head_kv = _falcon_heads(c)
+    arch = "falcon"
+    return arch, {
+        f"{arch}.context_length": int(c.get("max_position_embeddings", 2048)),
+        f"{arch}.embedding_length": int(c["hidden_size"]),
+        f"{arch}.block_count": int(c["num_hidden_layers"]),
+        f"{arch}.feed_forward_length": int(c.get("ffn_hidden_size") or 4 * c["hidden_size"]),
+        f"{arch}.attention.head_count": int(n_head),
+        f"{arch}.attention.head_count_kv": int(n_head_kv),
+        f"{arch}.attention.layer_norm_epsilon": float(c.get("layer_norm_epsilon", 1e-5)),
+        f"{arch}.tensor_data_layout": "jploski",  # llama.cpp's name for the reordered QKV rows
+        f"{arch}.vocab_size": int(c["vocab_size"]),
+        ACTIVATION_KEY: FALCON_ACTIVATIONS[c.get("activation", "gelu")].value,
+        **_rope_metadata(ckpt, arch),
+    }
+
+
+def falcon_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array) for every weight, the QKV rows reordered as llama.cpp does."""
+    c = ckpt.config
+    n_head, n_head_kv = _falcon_heads(c)
+    names = get_tensor_name_map(MODEL_ARCH.FALCON, c["num_hidden_layers"])
+    tied = c.get("tie_word_embeddings", True)
+    for hf_name, tensor in ckpt.tensors():
+        if tied and hf_name == "lm_head.weight":
+            continue
+        name = _gguf_name(ckpt, names, hf_name)
+        if name.endswith("attn_qkv.weight"):
+            tensor = _falcon_qkv(tensor, n_head, n_head_kv)
+        yield name, tensor.numpy()
+
+
+# OPT's tensor names (with or without the "model." prefix) -> PowerInfer's (the gguf package has no OPT)
+OPT_TENSORS = {"decoder.embed_tokens": "token_embd", "decoder.embed_positions": "position_embd",
+               "decoder.final_layer_norm": "output_norm", "lm_head": "output"}
+OPT_BLOCK_TENSORS = {"self_attn_layer_norm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                     "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_output", "final_layer_norm": "ffn_norm",
+                     "fc1": "ffn_up", "fc2": "ffn_down"}
+_OPT_BLOCK = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+def opt_metadata(ckpt: HFCheckpoint) -> tuple[str, dict[str, Any]]:
+    c = ckpt.config
+    hidden = c["hidden_size"]
+    _reject(ckpt, {
+        "post-norm blocks (do_layer_norm_before=false)": not c.get("do_layer_norm_before", True),
+        "word_embed_proj_dim != hidden_size": c.get("word_embed_proj_dim", hidden) != hidden,
+        f"activation_function {c.get('activation_function')!r}": c.get("activation_function", "relu") != "relu",
+        "no final layer norm (_remove_final_layer_norm=true)": c.get("_remove_final_layer_norm", False),
+        "LayerNorms without weights (layer_norm_elementwise_affine=false)":
+            not c.get("layer_norm_elementwise_affine", True),
+    })
+    arch = "opt"
+    return arch, {
+        f"{arch}.context_length": int(c.get("max_position_embeddings", 2048)),
+        f"{arch}.embedding_length": int(hidden),
+        f"{arch}.block_count": int(c["num_hidden_layers"]),
+        f"{arch}.feed_forward_length": int(c["ffn_dim"]),
+        f"{arch}.attention.head_count": int(c["num_attention_heads"]),
+        f"{arch}.attention.layer_norm_epsilon": 1e-5,  # torch's LayerNorm default, which OPT uses
+        f"{arch}.vocab_size": int(c["vocab_size"]),
+        ACTIVATION_KEY: FFNActivation.RELU.value,
+    }
+
+
+def opt_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array) for every weight, named as PowerInfer's OPT."""
+    tied = ckpt.config.get("tie_word_embeddings", True)
+    for hf_name, tensor in ckpt.tensors():
+        if tied and hf_name == "lm_head.weight":
+            continue
+        base, _, kind = hf_name.removeprefix("model.").rpartition(".")
+        block = _OPT_BLOCK.fullmatch(base)
+        if base in OPT_TENSORS:
+            name = OPT_TENSORS[base]
+        elif block and block.group(2) in OPT_BLOCK_TENSORS:
+            name = f"blk.{block.group(1)}.{OPT_BLOCK_TENSORS[block.group(2)]}"
+        else:
+            raise UnsupportedModelError(f"{ckpt.folder}: cannot map tensor {hf_name!r}")
+        yield f"{name}.{kind}", tensor.numpy()
+
+
 # Hugging Face architecture class -> (metadata, tensors) readers.
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": (llama_metadata, llama_tensors),
     "MistralForCausalLM": (llama_metadata, llama_tensors),
+    "FalconForCausalLM": (falcon_metadata, falcon_tensors),
+    "OPTForCausalLM": (opt_metadata, opt_tensors),
 }
 
 

@@ -3,7 +3,8 @@ PowerInfer GGUF when predictors are given.
 
 PowerInfer GGUF (DESIGN.md): magic `PWRI`; per layer `blk.N.fc1.weight` [R, n_embd] and
 `blk.N.fc2.weight` [n_ff, R] (the predictor, F16 as PowerInfer writes them, never quantized);
-`blk.N.ffn_down_t.weight` [n_ff, n_embd] (one row per neuron) instead of `ffn_down`;
+`blk.N.ffn_down_t.weight` [n_ff, n_embd] (one row per neuron) instead of `ffn_down` (and
+`ffn_down_t.bias` instead of `ffn_down.bias`);
 `powerinfer.sparse_threshold`. Our extra keys: per-layer score thresholds and, for SiLU/GELU
 models, the |activation| thresholds that defined "fired" when the predictors were trained.
 """
@@ -30,6 +31,7 @@ from powerinfer.sparsity.predictors import PredictorDirectory
 T = GGMLQuantizationType
 PREDICTOR_TYPE = T.F16
 _FFN_DOWN = re.compile(r"blk\.(\d+)\.ffn_down\.weight")
+_FFN_DOWN_BIAS = re.compile(r"blk\.\d+\.ffn_down\.bias")
 _PREDICTOR = re.compile(r"blk\.\d+\.fc[12]\.weight")
 _PREDICTOR_KEYS = {SPARSE_THRESHOLD_KEY, LAYER_THRESHOLDS_KEY, ACTIVATION_THRESHOLDS_KEY}
 
@@ -111,6 +113,8 @@ def _output_tensors(source: ModelSource, outtype: T | None, predictors: Predicto
             yield _encode(f"blk.{layer}.ffn_down_t.weight", down_t, _down_t_type(tensor) if outtype is None else outtype)
             yield from _predictor_tensors(layer, predictors)
             continue
+        if predictors is not None and _FFN_DOWN_BIAS.fullmatch(name):
+            name = name.replace(".ffn_down.", ".ffn_down_t.")  # PowerInfer's name for it (OPT)
         yield _encode(name, tensor, outtype)
 
 

@@ -26,6 +26,14 @@ def load_model(gguf: GGUFFile, n_ctx: int, options: FFNOptions = FFNOptions()) -
         from powerinfer.models.llama import LlamaModel
 
         model = LlamaModel(gguf, config, n_ctx, options)
+    elif config.architecture == "falcon":
+        from powerinfer.models.falcon import FalconModel
+
+        model = FalconModel(gguf, config, n_ctx, options)
+    elif config.architecture == "opt":
+        from powerinfer.models.opt import OPTModel
+
+        model = OPTModel(gguf, config, n_ctx, options)
     else:  # pragma: no cover - from_gguf already rejects these
         raise UnsupportedModelError(f"unsupported architecture {config.architecture}")
     gguf.release_pages()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import torch
+from tqdm import tqdm
 
 from powerinfer.config import ModelConfig
+from powerinfer.ops.linear import Linear
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
 
 
@@ -35,3 +37,40 @@ class CausalLM(ABC):
     def new_cache(self, n_ctx: int, n_slots: int = 1) -> KVCache:
         c = self.config
         return KVCache(c.n_layers, n_slots, c.n_head_kv, n_ctx, c.head_dim)
+
+
+def layer_progress(n_layers: int) -> Iterable[int]:
+    """range(n_layers), with a progress bar while loading (only on a terminal)."""
+    return tqdm(range(n_layers), desc="loading", unit="layer", leave=False, disable=None)
+
+
+class DecoderLM(CausalLM):
+    """What llama, Falcon and OPT share: token `embedding`, `blocks` (each with `attention` and
+    `ffn`, called as block(x, spans, cache)), `output_norm` and the `output` projection."""
+
+    embedding: Callable[[torch.Tensor], torch.Tensor]
+    blocks: list
+    output_norm: Callable[[torch.Tensor], torch.Tensor]
+    output: Linear
+
+    def embed(self, tokens: torch.Tensor, spans: Sequence[SeqSpan]) -> torch.Tensor:
+        return self.embedding(tokens)
+
+    def forward(self, tokens: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache,
+                which: Literal["all", "last"] = "last") -> torch.Tensor:
+        x = self.embed(tokens, spans)
+        for block in self.blocks:
+            x = block(x, spans, cache)
+        return self.logits(x, spans, which)
+
+    def logits(self, x: torch.Tensor, spans: Sequence[SeqSpan], which: Literal["all", "last"]) -> torch.Tensor:
+        """float32 logits from the last block's output x (all rows, or each span's last row)."""
+        if which == "last" and x.shape[0] > len(spans):
+            ends = torch.cumsum(torch.tensor([s.length for s in spans]), 0)
+            x = x[ends - 1]
+        return self.output(self.output_norm(x)).float()
+
+    @property
+    def weight_bytes_per_token(self) -> int:
+        per_block = sum(b.attention.qkv.nbytes + b.attention.output.nbytes + b.ffn.nbytes for b in self.blocks)
+        return per_block + self.output.nbytes

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from gguf import quants
 
 from powerinfer.config import FFNActivation
-from powerinfer.errors import PowerInferError
+from powerinfer.errors import PowerInferError, UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
 from powerinfer.ops.activation import activate
-from powerinfer.ops.linear import DenseLinear, Linear, mapped_tensor
+from powerinfer.ops.linear import BiasedLinear, DenseLinear, Linear, float_vector, mapped_tensor
 from powerinfer.ops.neuron import NeuronStore, accumulate_rows, gather_matvec, sparse_ffn
 from powerinfer.ops.quant import FLOAT_TYPES, T, dequantize_rows
 
@@ -101,20 +101,22 @@ class SparseFFN:
         return weights if section.bits == 32 else weights.to(torch.bfloat16)
 
     def activations(self, h: torch.Tensor) -> torch.Tensor:
+        s = self.store
         if h.shape[0] > MAX_SPARSE_ROWS:
-            s = self.store
-            up = self._dense(h, self._weights(s.up).T)
+            up = s.add_up_bias(self._dense(h, self._weights(s.up).T))
             if s.gate is not None:
                 up = torch.cat([self._dense(h, self._weights(s.gate).T), up], dim=-1)
             return activate(up, self.activation)
-        gate = None if self.store.gate is None else gather_matvec(self.store, self.store.gate, h, self._all)
-        up = gather_matvec(self.store, self.store.up, h, self._all)
+        gate = None if s.gate is None else gather_matvec(s, s.gate, h, self._all)
+        up = s.add_up_bias(gather_matvec(s, s.up, h, self._all))
         return activate(up if gate is None else torch.cat([gate, up], dim=-1), self.activation)
 
     def project(self, a: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """The FFN output from the activations `a` of neurons `idx` (all when None)."""
+        s = self.store
         if a.shape[0] > MAX_SPARSE_ROWS:
-            return self._dense(a, self._weights(self.store.down, idx))
-        return accumulate_rows(self.store, self.store.down, a, self._all if idx is None else idx)
+            return s.add_down_bias(self._dense(a, self._weights(s.down, idx)))
+        return s.add_down_bias(accumulate_rows(s, s.down, a, self._all if idx is None else idx))
 
     def fired(self, a: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """Which neurons each row computes ([rows, n_ff] bool): the predictor's choice ("auto") or
@@ -133,7 +135,7 @@ class SparseFFN:
             return self.project(a)
         if self.mode == "off":
             self.last_active = self.store.n_ff
-            return sparse_ffn(self.store, self.activation, h, self._all)
+            return self.store.add_down_bias(sparse_ffn(self.store, self.activation, h, self._all))
         if self.mode == "oracle":
             a = self.activations(h)
             fired = self.fired(a, h, residual)
@@ -142,7 +144,7 @@ class SparseFFN:
             return self.project((a * fired)[:, idx], idx)
         idx = self.predictor.active(h if residual is None else residual)
         self.last_active = len(idx)
-        return sparse_ffn(self.store, self.activation, h, idx)
+        return self.store.add_down_bias(sparse_ffn(self.store, self.activation, h, idx))
 
     @property
     def nbytes(self) -> int:
@@ -209,21 +211,33 @@ def _oracle_threshold(gguf: GGUFFile, layer: int, activation: FFNActivation, opt
                           "(run `powerinfer profile` and pass them, or convert with predictors)")
 
 
+def _bias(gguf: GGUFFile, *names: str) -> torch.Tensor | None:
+    """The first of the bias tensors `names` that the file has, as float32."""
+    tensor = next((gguf.tensors[n] for n in names if n in gguf.tensors), None)
+    return None if tensor is None else float_vector(tensor)
+
+
 def build_ffn(gguf: GGUFFile, layer: int, activation: FFNActivation, linear, options: FFNOptions):
-    """The FFN of block `layer`; `linear(*names)` builds a dense projection from tensor names."""
-    name = lambda part: f"blk.{layer}.{part}.weight"  # noqa: E731
+    """The FFN of block `layer`; `linear(*names)` builds a dense projection (with its biases) from
+    weight names."""
+    name = lambda part, kind="weight": f"blk.{layer}.{part}.{kind}"  # noqa: E731
+    if name("ffn_gate", "bias") in gguf.tensors:
+        raise UnsupportedModelError(f"{gguf.path}: FFN gate biases are not supported")
     stored_down_t = name("ffn_down_t") in gguf.tensors
+    # PowerInfer names OPT's down bias after the tensor it goes with: ffn_down_t.bias in its files
+    down_bias = _bias(gguf, name("ffn_down", "bias"), name("ffn_down_t", "bias"))
     hybrid = options.hybrid is not None and options.hybrid.has_hot(layer)
     if options.float32 or (not hybrid and options.sparsity == "off" and not stored_down_t) or (
             not hybrid and options.sparsity == "auto" and not has_predictors(gguf) and not stored_down_t):
         up = [name("ffn_gate"), name("ffn_up")] if activation.is_gated else [name("ffn_up")]
         if stored_down_t:  # dense from a PowerInfer file: the down projection is the transpose
             down = DenseLinear(_dequantized(gguf.tensor(name("ffn_down_t"))).T.contiguous())
+            down = down if down_bias is None else BiasedLinear(down, down_bias)
         else:
             down = linear(name("ffn_down"))
         return DenseFFN(linear(*up), down, activation)
     store = NeuronStore(gguf.tensor(name("ffn_gate")) if activation.is_gated else None, gguf.tensor(name("ffn_up")),
-                        down_rows(gguf, layer))
+                        down_rows(gguf, layer), _bias(gguf, name("ffn_up", "bias")), down_bias)
     if options.sparsity == "oracle":
         ffn = SparseFFN(store, activation, "oracle", threshold=_oracle_threshold(gguf, layer, activation, options))
     elif options.sparsity == "auto" and has_predictors(gguf):

@@ -1,14 +1,15 @@
-"""Building blocks shared by architectures: embedding, rotary embedding, attention, FFN."""
+"""Building blocks shared by architectures: embedding, norms, rotary embedding, attention, the
+pre-norm decoder block."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from powerinfer.gguf.reader import GGUFTensor
-from powerinfer.ops.linear import Linear, mapped_tensor
+from powerinfer.gguf.reader import GGUFFile, GGUFTensor
+from powerinfer.ops.linear import BiasedLinear, Linear, build_linear, float_vector, mapped_tensor
 from powerinfer.ops.quant import dequantize_rows
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
 
@@ -40,6 +41,37 @@ class RMSNorm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         norm = torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), self.eps_term)
         return (x / norm).mul_(self.scaled_weight)
+
+
+class LayerNorm:
+    """(x - mean(x)) / sqrt(var(x) + eps) * w + b (Falcon, OPT)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, eps: float):
+        self.weight, self.bias, self.eps = weight.float(), bias.float(), eps
+
+    @classmethod
+    def load(cls, gguf: GGUFFile, name: str, eps: float) -> "LayerNorm":
+        """`name`.weight and `name`.bias of the file."""
+        return cls(float_vector(gguf.tensor(f"{name}.weight")), float_vector(gguf.tensor(f"{name}.bias")), eps)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+def projection_builder(gguf: GGUFFile, float32: bool) -> Callable[..., Linear]:
+    """`linear(*weight_names)`: one linear layer from weight tensors that share their input, plus
+    their biases (`<name>.bias`) when the file has them (a part without one gets zeros)."""
+
+    def linear(*names: str) -> Linear:
+        tensors = [gguf.tensor(n) for n in names]
+        layer = build_linear(tensors, float32)
+        biases = [gguf.tensors.get(n.removesuffix(".weight") + ".bias") for n in names]
+        if all(b is None for b in biases):
+            return layer
+        return BiasedLinear(layer, torch.cat([torch.zeros(t.shape[0]) if b is None else float_vector(b)
+                                              for t, b in zip(tensors, biases)]))
+
+    return linear
 
 
 class RotaryEmbedding:
@@ -78,14 +110,15 @@ def _positions(spans: Sequence[SeqSpan]) -> torch.Tensor | slice:
 
 
 class Attention:
-    """Multi-head attention with grouped KV heads and a KV cache.
+    """Multi-head attention with grouped KV heads and a KV cache; without `rope` the positions
+    come from elsewhere (OPT's learned position embeddings).
 
     Written with few torch calls: at batch 1 the per-call overhead, not arithmetic, is what the
     non-matmul part of a decode step costs.
     """
 
     def __init__(self, layer: int, qkv: Linear, output: Linear, n_head: int, n_head_kv: int, head_dim: int,
-                 rope: RotaryEmbedding):
+                 rope: RotaryEmbedding | None):
         self.layer, self.qkv, self.output, self.rope = layer, qkv, output, rope
         self.n_head, self.n_head_kv, self.head_dim = n_head, n_head_kv, head_dim
         self.qk_dim = (n_head + n_head_kv) * head_dim
@@ -93,8 +126,9 @@ class Attention:
     def __call__(self, h: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> torch.Tensor:
         n = h.shape[0]
         qkv = self.qkv(h).float()
-        # Q and K heads are adjacent in the projection, so one rotation covers both.
-        qk = self.rope(qkv[:, : self.qk_dim].view(n, self.n_head + self.n_head_kv, self.head_dim), _positions(spans))
+        qk = qkv[:, : self.qk_dim].view(n, self.n_head + self.n_head_kv, self.head_dim)
+        if self.rope is not None:  # Q and K heads are adjacent in the projection, so one rotation covers both
+            qk = self.rope(qk, _positions(spans))
         v = qkv[:, self.qk_dim :].view(n, self.n_head_kv, self.head_dim)
         if len(spans) == 1:
             return self.output(self._attend(qk, v, spans[0], cache))
@@ -120,3 +154,20 @@ class Attention:
             mask = torch.arange(span.end)[None, :] <= (span.start + torch.arange(n))[:, None]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(n, h * hd)
+
+
+class Block:
+    """A pre-norm decoder block: x + attention(attn_norm(x)), then + ffn(ffn_norm(x)) (llama, OPT)."""
+
+    def __init__(self, attn_norm, attention: Attention, ffn_norm, ffn):
+        self.attn_norm, self.attention, self.ffn_norm, self.ffn = attn_norm, attention, ffn_norm, ffn
+        # Called as observer(layer, residual, activations) when set (profiling, predictor training).
+        self.observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+
+    def __call__(self, x: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> torch.Tensor:
+        x = x + self.attention(self.attn_norm(x), spans, cache)
+        if self.observer is not None:
+            activations = self.ffn.activations(self.ffn_norm(x))
+            self.observer(self.attention.layer, x, activations)
+            return x.add_(self.ffn.project(activations))
+        return x.add_(self.ffn(self.ffn_norm(x), x))

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
-from tqdm import tqdm
 
 from powerinfer.config import FFNActivation, ModelConfig
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
-from powerinfer.models.base import CausalLM
+from powerinfer.models.base import DecoderLM, layer_progress
 from powerinfer.models.ffn import DenseFFN, FFNOptions, build_ffn
-from powerinfer.models.layers import Attention, Embedding, RMSNorm, RotaryEmbedding
+from powerinfer.models.layers import Attention, Block, Embedding, RMSNorm, RotaryEmbedding, projection_builder
 from powerinfer.ops import native
-from powerinfer.ops.linear import Int4Linear, build_linear, mapped_tensor
+from powerinfer.ops.linear import Int4Linear, mapped_tensor
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
 
 NATIVE_ACTIVATIONS = {FFNActivation.RELU_GATED: 0, FFNActivation.SILU_GATED: 1, FFNActivation.GELU_GATED: 2,
@@ -26,20 +25,12 @@ def _norm(gguf: GGUFFile, name: str, eps: float) -> RMSNorm:
     return RMSNorm(mapped_tensor(gguf.tensor(name).data), eps)
 
 
-class LlamaBlock:
-    def __init__(self, attn_norm: RMSNorm, attention: Attention, ffn_norm: RMSNorm, ffn):
-        self.attn_norm, self.attention, self.ffn_norm, self.ffn = attn_norm, attention, ffn_norm, ffn
-        self.step = self._native_step()
-        # Called as observer(layer, residual, activations) when set (profiling, predictor training).
-        self.observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+class LlamaBlock(Block):
+    """A pre-norm block with RMSNorms and RoPE, and the native single-token step where it applies."""
 
-    def __call__(self, x: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> torch.Tensor:
-        x = x + self.attention(self.attn_norm(x), spans, cache)
-        if self.observer is not None:
-            activations = self.ffn.activations(self.ffn_norm(x))
-            self.observer(self.attention.layer, x, activations)
-            return x.add_(self.ffn.project(activations))
-        return x.add_(self.ffn(self.ffn_norm(x), x))
+    def __init__(self, attn_norm: RMSNorm, attention: Attention, ffn_norm: RMSNorm, ffn):
+        super().__init__(attn_norm, attention, ffn_norm, ffn)
+        self.step = self._native_step()
 
     def decode(self, x: torch.Tensor, span: SeqSpan, cache: KVCache) -> None:
         """One token of one sequence, updating x [1, d] in place (native step when available)."""
@@ -84,7 +75,7 @@ class LlamaBlock:
         )
 
 
-class LlamaModel(CausalLM):
+class LlamaModel(DecoderLM):
     def __init__(self, gguf: GGUFFile, config: ModelConfig, n_ctx: int, options: FFNOptions = FFNOptions()):
         self.config = config
         if config.rope_dim != config.head_dim:
@@ -94,11 +85,9 @@ class LlamaModel(CausalLM):
             config.head_dim, n_ctx, config.rope_freq_base, config.rope_scale,
             freq_factors=mapped_tensor(freq_factors.data).float() if freq_factors is not None else None,
         )
-        linear = lambda *names: build_linear([gguf.tensor(n) for n in names], options.float32)  # noqa: E731
+        linear = projection_builder(gguf, options.float32)
         self.embedding = Embedding(gguf.tensor("token_embd.weight"))
-        self.blocks = [self._block(gguf, config, i, rope, linear, options)
-                       for i in tqdm(range(config.n_layers), desc="loading", unit="layer", leave=False,
-                                     disable=None)]  # None: only on a terminal
+        self.blocks = [self._block(gguf, config, i, rope, linear, options) for i in layer_progress(config.n_layers)]
         self.output_norm = _norm(gguf, "output_norm.weight", config.norm_eps)
         self.output = linear("output.weight" if "output.weight" in gguf.tensors else "token_embd.weight")
 
@@ -116,23 +105,14 @@ class LlamaModel(CausalLM):
 
     def forward(self, tokens: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache,
                 which: Literal["all", "last"] = "last") -> torch.Tensor:
+        if any(s.length > 1 for s in spans):
+            return super().forward(tokens, spans, cache, which)
         x = self.embedding(tokens)
-        if len(spans) == 1 and spans[0].length == 1:
+        if len(spans) == 1:
             for block in self.blocks:
                 block.decode(x, spans[0], cache)
-        elif all(s.length == 1 for s in spans):  # a decode step of several sequences
+        else:  # a decode step of several sequences
             rotations = self.blocks[0].attention.rope.rotations[[s.start for s in spans]]  # shared by all blocks
             for block in self.blocks:
                 block.decode_rows(x, spans, cache, rotations)
-        else:
-            for block in self.blocks:
-                x = block(x, spans, cache)
-        if which == "last" and x.shape[0] > len(spans):
-            ends = torch.cumsum(torch.tensor([s.length for s in spans]), 0)
-            x = x[ends - 1]
-        return self.output(self.output_norm(x)).float()
-
-    @property
-    def weight_bytes_per_token(self) -> int:
-        per_block = sum(b.attention.qkv.nbytes + b.attention.output.nbytes + b.ffn.nbytes for b in self.blocks)
-        return per_block + self.output.nbytes
+        return self.logits(x, spans, which)

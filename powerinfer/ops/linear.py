@@ -40,6 +40,11 @@ def mapped_tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
 
 
+def float_vector(tensor: GGUFTensor) -> torch.Tensor:
+    """A 1-D tensor of a float type (norm weights, biases) as float32."""
+    return mapped_tensor(tensor.data).float()
+
+
 class Linear(ABC):
     """y = x @ W.T for x of shape [tokens, in_features]; y may come back in a low-precision dtype."""
 
@@ -178,6 +183,21 @@ class ConcatLinear(Linear):
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+
+class BiasedLinear(Linear):
+    """A linear layer plus a bias (OPT); the output is float32."""
+
+    def __init__(self, linear: Linear, bias: torch.Tensor):
+        self.linear, self.bias = linear, bias.float()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).float().add_(self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.linear.nbytes + self.bias.nbytes
 
 
 def _q4_rows(tensor: GGUFTensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -83,10 +83,12 @@ def hugepage_buffer(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
 
 
 class NeuronStore:
-    """One record per FFN neuron: [gate row | up row | down_t row], each section in its encoding."""
+    """One record per FFN neuron: [gate row | up row | down_t row], each section in its encoding;
+    and the FFN's biases (OPT), float32: `up_bias` per neuron, `down_bias` added once per output."""
 
     def __init__(self, gate: GGUFTensor | torch.Tensor | None, up: GGUFTensor | torch.Tensor,
-                 down_t: GGUFTensor | torch.Tensor):
+                 down_t: GGUFTensor | torch.Tensor, up_bias: torch.Tensor | None = None,
+                 down_bias: torch.Tensor | None = None):
         encoded = [None if gate is None else _encoded_rows(gate), _encoded_rows(up), _encoded_rows(down_t)]
         n_ff = up.shape[0]
         sections: list[Section | None] = []
@@ -112,10 +114,22 @@ class NeuronStore:
                 self.records[:, start : start + part.shape[1]] = part
         self.gate, self.up, self.down = sections
         self.n_ff, self.dim_in, self.dim_out = n_ff, sections[1].n_values, sections[2].n_values
+        self.up_bias = None if up_bias is None else up_bias.float()
+        self.down_bias = None if down_bias is None else down_bias.float()
 
     @property
     def nbytes(self) -> int:
         return self.records.nbytes
+
+    def add_up_bias(self, up: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """The up products [m, len(idx)] of neurons `idx` (all when None) plus their biases."""
+        if self.up_bias is None:
+            return up
+        return up.float() + (self.up_bias if idx is None else self.up_bias[idx])
+
+    def add_down_bias(self, y: torch.Tensor) -> torch.Tensor:
+        """The FFN output from its neurons' sum y (updated in place)."""
+        return y if self.down_bias is None else y.add_(self.down_bias)
 
     def weights(self, section: Section, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Exact float32 weights of `section` for neurons `idx` (all when None): [n, n_values]."""
@@ -184,10 +198,15 @@ def activate_reference(activation: FFNActivation, gate: torch.Tensor | None, up:
     return activate(up if gate is None else torch.cat([gate, up], dim=-1), activation)
 
 
+def _sparse_ffn_steps(store: NeuronStore, activation: FFNActivation, x: torch.Tensor, idx: torch.Tensor,
+                      matvec, accumulate) -> torch.Tensor:
+    gate = None if store.gate is None else matvec(store, store.gate, x, idx)
+    up = store.add_up_bias(matvec(store, store.up, x, idx), idx)
+    return accumulate(store, store.down, activate_reference(activation, gate, up), idx)
+
+
 def sparse_ffn_reference(store: NeuronStore, activation: FFNActivation, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    gate = None if store.gate is None else gather_matvec_reference(store, store.gate, x, idx)
-    up = gather_matvec_reference(store, store.up, x, idx)
-    return accumulate_rows_reference(store, store.down, activate_reference(activation, gate, up), idx)
+    return _sparse_ffn_steps(store, activation, x, idx, gather_matvec_reference, accumulate_rows_reference)
 
 
 def gather_matvec(store: NeuronStore, section: Section, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -207,10 +226,13 @@ def accumulate_rows(store: NeuronStore, section: Section, a: torch.Tensor, idx: 
 
 
 def sparse_ffn(store: NeuronStore, activation: FFNActivation, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """The FFN output computed from the neurons `idx` only (sorted int64), fused per neuron."""
+    """The FFN output computed from the neurons `idx` only (sorted int64), fused per neuron. The down
+    bias is left to the caller: a hybrid FFN adds up several such parts."""
     ops = native.load()
     if ops is None:
         return sparse_ffn_reference(store, activation, x, idx)
+    if store.up_bias is not None:  # the fused kernel knows no bias: its steps, the bias added between
+        return _sparse_ffn_steps(store, activation, x, idx, gather_matvec, accumulate_rows)
     gate = [] if store.gate is None else store.gate.as_list()
     return ops.sparse_ffn(store.records, gate, store.up.as_list(), store.down.as_list(),
                           KERNEL_ACTIVATIONS[activation], x.float().contiguous(), idx.contiguous())

@@ -39,6 +39,7 @@ class DeviceNeurons:
 
     def __init__(self, store: NeuronStore, ids: torch.Tensor, device: torch.device):
         self.records = store.records[ids].to(device)
+        self.up_bias = None if store.up_bias is None else store.up_bias[ids].to(device)
         self.gate, self.up, self.down = store.gate, store.up, store.down
         self.device = device
 
@@ -56,11 +57,16 @@ class DeviceNeurons:
         reference), SparseFFN's bfloat16 products for `many` rows; so the split changes no result.
         """
         records = self.records if rows is None else self.records.index_select(0, rows)
+        up_bias = self.up_bias if rows is None or self.up_bias is None else self.up_bias[rows]
         y = None
         for start in range(0, records.shape[0], CHUNK_NEURONS):
             chunk = records[start : start + CHUNK_NEURONS]
-            parts = [self.up] if self.gate is None else [self.gate, self.up]
-            a = activate(torch.cat([self._products(chunk, p, x, many) for p in parts], dim=-1), activation)
+            up = self._products(chunk, self.up, x, many)
+            if up_bias is not None:
+                up = up + up_bias[start : start + CHUNK_NEURONS]
+            if self.gate is not None:
+                up = torch.cat([self._products(chunk, self.gate, x, many), up], dim=-1)
+            a = activate(up, activation)
             if threshold is not None:
                 a = a * (a.abs() > threshold)
             if mask is not None:
@@ -126,16 +132,18 @@ class HybridFFN(SparseFFN):
             hot_part = self.accelerator.ffn(x, self.activation, rows.to(device)) if len(rows) else None
             cold_part = self._cold_sparse(h, idx[~hot_mask])
         if hot_part is None:
-            return cold_part if cold_part is not None else torch.zeros(h.shape[0], self.store.dim_out)
-        hot_part = hot_part.to(h.device)  # waits for the accelerator
-        return hot_part if cold_part is None else cold_part.add_(hot_part)
+            y = cold_part if cold_part is not None else torch.zeros(h.shape[0], self.store.dim_out)
+        else:
+            hot_part = hot_part.to(h.device)  # waits for the accelerator
+            y = hot_part if cold_part is None else cold_part.add_(hot_part)
+        return self.store.add_down_bias(y)
 
     def _cold_dense(self, h: torch.Tensor, threshold: float | None, keep: torch.Tensor | None) -> torch.Tensor | None:
         """Many rows: SparseFFN's dense products over the cold neurons, skipped ones zeroed."""
         if len(self.cold) == 0:
             return None
         s = self.store
-        up = self._dense(h, self._weights(s.up, self.cold).T)
+        up = s.add_up_bias(self._dense(h, self._weights(s.up, self.cold).T), self.cold)
         if s.gate is not None:
             up = torch.cat([self._dense(h, self._weights(s.gate, self.cold).T), up], dim=-1)
         a = activate(up, self.activation)
@@ -150,7 +158,7 @@ class HybridFFN(SparseFFN):
         if len(cold) == 0:
             self.last_active = self.n_hot
             return None
-        up = gather_matvec(s, s.up, h, cold)
+        up = s.add_up_bias(gather_matvec(s, s.up, h, cold), cold)
         if s.gate is not None:
             up = torch.cat([gather_matvec(s, s.gate, h, cold), up], dim=-1)
         a = activate(up, self.activation)
