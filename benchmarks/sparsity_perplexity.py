@@ -9,6 +9,9 @@ Rows, in one run on the same file and chunks:
 
     .venv/bin/python benchmarks/sparsity_perplexity.py --predicted 0.5=/path/model.pwri.gguf [--chunks N]
 
+A whole-file run takes a while; with `--cache DIR` each row is kept once measured, so rows can be
+measured in parts (`--only llama.cpp`) and the table assembled by a last run.
+
 Writes benchmarks/results/sparsity_perplexity.md and docs/sparsity_perplexity.png (`-o`, `--plot`).
 """
 
@@ -16,8 +19,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
+import json
 import platform
 import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -30,13 +37,32 @@ PLOT = ROOT / "docs" / "sparsity_perplexity.png"
 N_CTX = 512
 
 
-def run_perplexity(logits_of, chunks, label: str):
+@dataclass
+class Measured:
+    ppl: float
+    error: float
+
+
+def run_perplexity(logits_of: Callable[[], Callable], chunks, label: str, cache: Path | None) -> Measured:
+    """Perplexity over `chunks` with the logits function `logits_of()` makes; with `cache`, a row
+    measured before on the same chunks is read back (so a long run can be done in parts)."""
     from powerinfer.tools.perplexity import perplexity
 
+    saved = None
+    if cache is not None:
+        digest = hashlib.sha256(json.dumps(chunks).encode()).hexdigest()[:16]
+        saved = cache / f"{label.replace(' ', '_').replace('%', 'pct')}-{digest}.json"
+        if saved.exists():
+            print(f"{label}: measured before ({saved})", file=sys.stderr)
+            return Measured(**json.loads(saved.read_text()))
     result = None
-    for result in tqdm(perplexity(logits_of, chunks), total=len(chunks), desc=label, unit="chunk", file=sys.stderr):
+    for result in tqdm(perplexity(logits_of(), chunks), total=len(chunks), desc=label, unit="chunk", file=sys.stderr):
         pass
-    return result
+    measured = Measured(result.ppl, result.error)
+    if saved is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(asdict(measured)))
+    return measured
 
 
 def llama_cpp_logits(model: str, threads: int):
@@ -78,6 +104,11 @@ def main() -> int:
     parser.add_argument("--calibration-tokens", type=int, default=16384)
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("-t", "--threads", type=int, default=2)
+    parser.add_argument("--llama-cpp-threads", type=int, default=None,
+                        help="threads for llama.cpp (default: --threads; 1 is steadier on a busy machine)")
+    parser.add_argument("--only", default=None,
+                        help="measure only these rows (comma-separated: dense, llama.cpp, oracle, predicted); with --cache")
+    parser.add_argument("--cache", type=Path, default=None, help="keep each measured row here and reuse it")
     parser.add_argument("-o", "--output", type=Path, default=RESULTS, help=f"markdown table (default: {RESULTS})")
     parser.add_argument("--plot", type=Path, default=PLOT, help=f"plot of the curve (default: {PLOT}); 'none' for no plot")
     args = parser.parse_args()
@@ -93,26 +124,40 @@ def main() -> int:
     tokens = dense.tokenize((DATA / "test.txt").read_text(), add_bos=True)
     bos = dense.tokenizer.bos_id if dense.tokenizer.add_bos else None
     chunks = chunks_of(tokens, N_CTX, args.chunks, bos)
-    logits = lambda llm: (lambda ids: torch.from_numpy(llm.logits(ids)))  # noqa: E731
+    wanted = set(args.only.split(",")) if args.only else {"dense", "llama.cpp", "oracle", "predicted"}
+    if args.no_llama_cpp:
+        wanted.discard("llama.cpp")
+
+    def measure(kind: str, label: str, logits_of: Callable[[], Callable]) -> Measured | None:
+        if kind not in wanted:
+            return None
+        return run_perplexity(logits_of, chunks, label, args.cache)
+
+    def ours(llm):
+        return lambda: (lambda ids: torch.from_numpy(llm.logits(ids)))
+
     rows = []  # (kind, target, measured sparsity, ppl, error)
-    base = run_perplexity(logits(dense), chunks, "dense")
-    rows.append(("dense", None, 0.0, base.ppl, base.error))
-    if not args.no_llama_cpp:
-        reference = run_perplexity(llama_cpp_logits(model, args.threads), chunks, "llama.cpp")
+    if (base := measure("dense", "dense", ours(dense))) is not None:
+        rows.append(("dense", None, 0.0, base.ppl, base.error))
+    llama_threads = args.llama_cpp_threads or args.threads
+    if (reference := measure("llama.cpp", "llama.cpp", lambda: llama_cpp_logits(model, llama_threads))) is not None:
         rows.append(("llama.cpp dense", None, 0.0, reference.ppl, reference.error))
 
     calibration_ids = dense.tokenize((DATA / "valid.txt").read_text(), add_bos=False)
     calibration = calibration_chunks(calibration_ids, args.calibration_tokens, N_CTX)
-    for target in [float(t) for t in args.oracle.split(",") if t]:
+    for target in [float(t) for t in args.oracle.split(",") if t and "oracle" in wanted]:
         thresholds, _ = calibrate_thresholds(dense.model, Engine(dense.model, N_CTX), calibration, target, None)
         oracle = LLM(model, n_ctx=N_CTX, threads=args.threads, sparsity="oracle", thresholds=thresholds)
-        result = run_perplexity(logits(oracle), chunks, f"oracle {target:.0%}")
+        result = measure("oracle", f"oracle {target:.0%}", ours(oracle))
         rows.append(("oracle", target, measured_sparsity(oracle, chunks), result.ppl, result.error))
-    for spec in args.predicted:
+    for spec in args.predicted if "predicted" in wanted else []:
         target, path = spec.split("=", 1)
         predicted = LLM(path, n_ctx=N_CTX, threads=args.threads, sparsity="auto")
-        result = run_perplexity(logits(predicted), chunks, f"predicted {target}")
+        result = measure("predicted", f"predicted {target} {Path(path).name}", ours(predicted))
         rows.append(("predicted", float(target), measured_sparsity(predicted, chunks), result.ppl, result.error))
+    if not rows or rows[0][0] != "dense":
+        print("measured; the table needs the dense row too (rerun with --cache and without --only)", file=sys.stderr)
+        return 0
 
     write_results(rows, len(chunks), model, args.output)
     if str(args.plot) != "none":
