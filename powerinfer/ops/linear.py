@@ -5,6 +5,9 @@ values, one scale and one offset per 32 inputs), which runs at the memory-bandwi
 bfloat16 activations. Q8_0 maps onto the same kernel exactly too: each int8 value is split into
 a high and a low nibble (q = 16*hi + lo), two int4 matrices side by side that read the input
 twice. Float weights use torch's dense kernels.
+
+On CUDA the same weights go to torch's int4 GPU kernel (`_weight_int4pack_mm`, "tinygemm"), which
+takes the same values, scales and offsets in its own packed layout.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from powerinfer.ops.quant import (
     split_q8_blocks,
 )
 
-_int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+CPU = torch.device("cpu")
+INT4_KERNELS = {"cpu": torch.ops.aten._weight_int4pack_mm_for_cpu, "cuda": torch.ops.aten._weight_int4pack_mm}
 PACK_BLOCK_N = 64  # rows per block in the AVX-512 packed layout; we pad outputs to a multiple
 
 
@@ -69,7 +73,7 @@ class DenseLinear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if w.dtype == torch.float16 and x.shape[0] > 1:
+        if w.dtype == torch.float16 and x.shape[0] > 1 and w.is_cpu:
             # torch's float16 CPU matmul is fast only for a single row.
             return F.linear(x.float(), w.float())
         return F.linear(x.to(w.dtype), w)
@@ -104,6 +108,17 @@ def pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
     return _pack_nibbles_avx512(nibbles) if _fast_packing_matches() else _pack_nibbles_reference(nibbles)
 
 
+def _pair_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [N, K] -> [N, K/2], two per byte, the even input in the high nibble: the
+    input of torch's CUDA packing."""
+    return (nibbles[:, 0::2] << 4) | nibbles[:, 1::2]
+
+
+def _inner_k_tiles(k: int) -> int:
+    """The CUDA layout's k-tiles per load (8 is fastest); K must be a multiple of 16 of them."""
+    return next(tiles for tiles in (8, 4, 2) if k % (16 * tiles) == 0)
+
+
 class Int4Linear(Linear):
     """Weights `scale * nibble + offset`, one scale and offset per 32 inputs, on torch's int4 kernel.
 
@@ -114,14 +129,15 @@ class Int4Linear(Linear):
     def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int, input_repeats: int = 1):
         self.packed, self.scale_zero = packed, scale_zero
         self.out_features, self.input_repeats = out_features, input_repeats
-        self.in_features = packed.shape[1] * 2 // input_repeats
-        self._padded = packed.shape[0] != out_features
+        # scale_zero is [K/32, padded rows, 2] on every device (the packed layout differs)
+        self.in_features = scale_zero.shape[0] * QK // input_repeats
+        self._padded = scale_zero.shape[1] != out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16)
         if self.input_repeats > 1:
             x = torch.cat([x] * self.input_repeats, dim=1)  # cat is 5x cheaper than repeat here
-        y = _int4_mm(x, self.packed, QK, self.scale_zero)
+        y = INT4_KERNELS[self.packed.device.type](x, self.packed, QK, self.scale_zero)
         return y[:, : self.out_features] if self._padded else y
 
     @property
@@ -144,12 +160,15 @@ def _stacked_rows(tensors: Sequence[GGUFTensor], nibble_rows: NibbleRows, start:
     return tuple(torch.cat(p) for p in zip(*parts))
 
 
-def pack_int4(tensors: Sequence[GGUFTensor], nibble_rows: NibbleRows, input_repeats: int = 1) -> Int4Linear:
-    """Repack the rows of `tensors` (stacked) for torch's int4 kernel, a chunk of rows at a time.
+def pack_int4(tensors: Sequence[GGUFTensor], nibble_rows: NibbleRows, input_repeats: int = 1,
+              device: torch.device | None = None) -> Int4Linear:
+    """Repack the rows of `tensors` (stacked) for torch's int4 kernel on `device` (default: the
+    CPU), a chunk of rows at a time.
 
     `nibble_rows(tensor, start, end)` gives rows start..end as (nibbles uint8 [n, K], scale and
     offset float32 [n, K/32]) with weight = scale * nibble + offset.
     """
+    cuda = device is not None and device.type == "cuda"
     n_rows = sum(t.shape[0] for t in tensors)
     n_cols = tensors[0].shape[1] * input_repeats
     padded_rows = n_rows + (-n_rows % PACK_BLOCK_N)
@@ -161,9 +180,12 @@ def pack_int4(tensors: Sequence[GGUFTensor], nibble_rows: NibbleRows, input_repe
         pad = end - start - nibbles.shape[0]  # zero rows up to a whole block of 64
         if pad:
             nibbles, scale, offset = F.pad(nibbles, (0, 0, 0, pad)), F.pad(scale, (0, 0, 0, pad)), F.pad(offset, (0, 0, 0, pad))
-        packed[start:end] = pack_nibbles(nibbles.contiguous())
-        # The kernel computes (nibble - 8) * scale + zero.
+        packed[start:end] = _pair_nibbles(nibbles) if cuda else pack_nibbles(nibbles.contiguous())
+        # Both kernels compute (nibble - 8) * scale + zero.
         scale_zero[:, start:end] = torch.stack([scale, offset + 8.0 * scale], dim=-1).transpose(0, 1)
+    if cuda:
+        packed = torch.ops.aten._convert_weight_to_int4pack(packed.to(device), _inner_k_tiles(n_cols))
+        scale_zero = scale_zero.to(device)
     return Int4Linear(packed, scale_zero, n_rows, input_repeats)
 
 
@@ -204,8 +226,9 @@ def _q4_rows(tensor: GGUFTensor, start: int, end: int) -> tuple[torch.Tensor, to
     return split_q4_blocks(mapped_tensor(tensor.rows_as_bytes()[start:end]), tensor.ggml_type)
 
 
-def _q8_rows(tensor: GGUFTensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    values, d = split_q8_blocks(mapped_tensor(tensor.rows_as_bytes()[start:end]))
+def q8_as_nibbles(values: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q8_0 values int8 [n, K] and scales [n, K/32] as two int4 matrices side by side (nibbles
+    [n, 2K], scale and offset [n, 2K/32]) whose products with the input read twice add up exactly."""
     byte = values.view(torch.uint8)
     # q = 16 * (hi - 8) + lo with hi, lo in 0..15; on the two's-complement byte, hi = (byte >> 4) ^ 8.
     nibbles = torch.cat([(byte >> 4) ^ 8, byte & 0x0F], dim=1)
@@ -214,26 +237,31 @@ def _q8_rows(tensor: GGUFTensor, start: int, end: int) -> tuple[torch.Tensor, to
     return nibbles, scale, offset
 
 
+def _q8_rows(tensor: GGUFTensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q8_as_nibbles(*split_q8_blocks(mapped_tensor(tensor.rows_as_bytes()[start:end])))
+
+
 def _dense_weight(tensor: GGUFTensor) -> torch.Tensor:
     if tensor.ggml_type in FLOAT_TYPES:
         return mapped_tensor(tensor.data).reshape(tensor.shape).clone()
     return dequantize_rows(mapped_tensor(tensor.rows_as_bytes()), tensor.ggml_type, tensor.shape[1]).to(torch.bfloat16)
 
 
-def build_linear(tensors: Sequence[GGUFTensor], float32: bool = False) -> Linear:
-    """One linear layer from one or more GGUF weight tensors [out, in] that share their input.
+def build_linear(tensors: Sequence[GGUFTensor], float32: bool = False, device: torch.device | None = None) -> Linear:
+    """One linear layer from one or more GGUF weight tensors [out, in] that share their input, its
+    weights on `device` (default: the CPU).
 
     `float32` dequantizes everything to float32: the exact reference mode (several times the memory).
     """
     if float32:
         return DenseLinear(torch.cat([
             dequantize_rows(mapped_tensor(t.rows_as_bytes()), t.ggml_type, t.shape[1]) for t in tensors
-        ]))
+        ]).to(device))
     types = {t.ggml_type for t in tensors}
     if types <= {T.Q4_0, T.Q4_1}:
-        return pack_int4(tensors, _q4_rows)
+        return pack_int4(tensors, _q4_rows, device=device)
     if types == {T.Q8_0}:
-        return pack_int4(tensors, _q8_rows, input_repeats=2)
+        return pack_int4(tensors, _q8_rows, input_repeats=2, device=device)
     if len(types) == 1 and (types <= FLOAT_TYPES.keys() or types <= EXPANDED_TYPES):
-        return DenseLinear(torch.cat([_dense_weight(t) for t in tensors]))
-    return ConcatLinear([build_linear([t]) for t in tensors])
+        return DenseLinear(torch.cat([_dense_weight(t) for t in tensors]).to(device))
+    return ConcatLinear([build_linear([t], device=device) for t in tensors])

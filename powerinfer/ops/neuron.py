@@ -136,22 +136,37 @@ class NeuronStore:
         return dequantize_records(self.records if idx is None else self.records[idx], section)
 
 
+def _f16_section(rows: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+    return rows[:, offset : offset + 2 * n].contiguous().view(torch.float16).float()
+
+
+def q4_section(rows: torch.Tensor, section: Section) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 4-bit section of neuron records [n, record_bytes] as (nibbles uint8 [n, K], scale and
+    offset float32 [n, K/32]) with weight = scale * nibble + offset."""
+    n = rows.shape[0]
+    packed = rows[:, section.q_off : section.q_off + section.n_values // 2].view(n, -1, QK // 2)
+    nibbles = torch.cat([packed & 0x0F, packed >> 4], dim=-1).view(n, -1)
+    d = _f16_section(rows, section.d_off, section.n_blocks)
+    m = _f16_section(rows, section.m_off, section.n_blocks) if section.m_off >= 0 else -8.0 * d
+    return nibbles, d, m
+
+
+def q8_section(rows: torch.Tensor, section: Section) -> tuple[torch.Tensor, torch.Tensor]:
+    """An 8-bit section of neuron records as (int8 values [n, K], scales float32 [n, K/32])."""
+    values = rows[:, section.q_off : section.q_off + section.n_values].contiguous().view(torch.int8)
+    return values, _f16_section(rows, section.d_off, section.n_blocks)
+
+
 def dequantize_records(rows: torch.Tensor, section: Section) -> torch.Tensor:
     """Exact float32 weights of `section` from neuron records [n, record_bytes] on any device."""
     n = rows.shape[0]
     if section.bits == 32:
         return rows[:, section.q_off : section.q_off + 4 * section.n_values].contiguous().view(torch.float32)
-    d = rows[:, section.d_off : section.d_off + 2 * section.n_blocks].contiguous().view(torch.float16).float()
     if section.bits == 8:
-        q = rows[:, section.q_off : section.q_off + section.n_values].contiguous().view(torch.int8).float()
-        return (q.view(n, -1, QK) * d[..., None]).view(n, -1)
-    packed = rows[:, section.q_off : section.q_off + section.n_values // 2].view(n, -1, QK // 2)
-    q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
-    if section.m_off >= 0:
-        m = rows[:, section.m_off : section.m_off + 2 * section.n_blocks].contiguous().view(torch.float16).float()
-    else:
-        m = -8.0 * d
-    return (q * d[..., None] + m[..., None]).view(n, -1)
+        q, d = q8_section(rows, section)
+        return (q.float().view(n, -1, QK) * d[..., None]).view(n, -1)
+    nibbles, d, m = q4_section(rows, section)
+    return (nibbles.float().view(n, -1, QK) * d[..., None] + m[..., None]).view(n, -1)
 
 
 # ---------------------------------------------------------------- operators and their references
@@ -178,13 +193,10 @@ def matvec_records(rows: torch.Tensor, section: Section, x: torch.Tensor) -> tor
         return x.float() @ w.T
     n = w.shape[0]
     q, scale, sums = quantize_activations(x)
-    d = rows[:, section.d_off : section.d_off + 2 * section.n_blocks].contiguous().view(torch.float16).float()
     if section.bits == 8:
-        m = torch.zeros_like(d)
-    elif section.m_off >= 0:
-        m = rows[:, section.m_off : section.m_off + 2 * section.n_blocks].contiguous().view(torch.float16).float()
+        m = torch.zeros(n, section.n_blocks, device=rows.device)
     else:
-        m = -8.0 * d
+        m = q4_section(rows, section)[2]
     scaled = (w.view(n, -1, QK) - m[..., None])  # d * q
     dots = torch.einsum("nbk,mbk->mnb", scaled, q * scale[..., None])
     return dots.sum(-1) + sums @ m.T
