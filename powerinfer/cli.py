@@ -71,14 +71,15 @@ def non_negative_float(text: str) -> float:
 
 def add_hybrid_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vram-budget", type=non_negative_float, metavar="GB",
-                        help="accelerator memory in GiB: the hottest FFN neurons run there (default: CPU only)")
+                        help="accelerator memory in GiB: dense parts (attention, output head) go there first, then the "
+                             "hottest FFN neurons (default: CPU only)")
     parser.add_argument("--activations", metavar="DIR", help="activation statistics for placing neurons "
                         "(default: activation/ next to the model, else all neurons alike)")
     index = parser.add_mutually_exclusive_group()
     index.add_argument("--reset-gpu-index", action="store_true", help="rebuild <model>.generated.gpuidx")
-    index.add_argument("--disable-gpu-index", action="store_true", help="no FFN offloading: ignore the GPU index")
+    index.add_argument("--disable-gpu-index", action="store_true", help="no neuron split: ignore the GPU index, offload dense parts only")
     parser.add_argument("--accelerator", metavar="DEVICE",
-                        help="torch device for hot neurons (default: cuda when present; cpu runs the split on the CPU)")
+                        help="torch device to offload to (default: cuda when present; cpu runs the split on the CPU)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:

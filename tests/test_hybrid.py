@@ -22,6 +22,7 @@ from powerinfer.models import load_model
 from powerinfer.models.ffn import MAX_SPARSE_ROWS, DenseFFN, FFNOptions, Predictor, SparseFFN
 from powerinfer.placement.costs import ModelShape, Speeds, dense_parts, model_shape
 from powerinfer.placement.gpu_index import index_path, read_gpu_index, write_gpu_index
+from powerinfer.placement.planner import DensePlacement
 from powerinfer.placement.solver import Plan, plan_from_counts
 from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.hybrid import HybridFFN, HybridOptions
@@ -142,6 +143,39 @@ def test_hybrid_model_equals_single_device_for_random_budgets(engines, ids, outt
         torch.testing.assert_close(value, expected, rtol=0, atol=tolerance * expected.abs().max().item())
 
 
+def batched_decode_logits(model, ids: list[int]) -> torch.Tensor:
+    """Two sequences prefilled in their own slots, then decoded together, one token each per step."""
+    engine = Engine(model, N_CTX, n_slots=2)
+    engine.prefill(0, ids[:3]), engine.prefill(1, ids[5:9])
+    return torch.cat([engine.decode([(0, a), (1, b)]) for a, b in zip(ids[3:8], ids[9:14])])
+
+
+@settings(max_examples=10, deadline=None)
+@given(case=st.sampled_from([("f32", "oracle"), ("f32", "off"), ("q4_0", "oracle")]),
+       offloaded=st.sets(st.integers(0, 1)), output=st.booleans(), share=st.floats(0.0, 1.0), seed=st.integers(0, 1000))
+def test_offloaded_dense_parts_give_the_single_device_result(relu_models, ids, case, offloaded, output, share, seed):
+    """Blocks whose norms, attention and KV cache live on the accelerator (x crossing over and back),
+    the output head there or not, hot neurons anywhere: the logits of the CPU-only model, for single
+    and batched decode steps and prefill. (Quantized "off" is left out: there the CPU-only model's
+    FFNs are dense int4 layers, which round differently from neuron records.)"""
+    outtype, mode = case
+    gguf = open_gguf(relu_models[outtype])
+    single = load_model(gguf, N_CTX, FFNOptions(sparsity=mode))
+    shape = model_shape(gguf, ModelConfig.from_gguf(gguf))
+    rng = np.random.default_rng(seed)
+    counts = [torch.from_numpy(rng.integers(0, 100, n)) for n in shape.n_ff]
+    plan = plan_from_counts(counts, 100, shape, int(share * shape.ffn_bytes), Speeds(sync_seconds=0.0), 16)
+    dense = DensePlacement(frozenset(offloaded), output, 0)
+    split = load_model(gguf, N_CTX, FFNOptions(sparsity=mode, hybrid=HybridOptions(CPU, plan, dense)))
+    assert [isinstance(b.ffn, HybridFFN) for b in split.blocks] == [i in offloaded or len(plan.hot[i]) > 0
+                                                                      for i in range(2)]
+    assert all(split.blocks[i].step is None for i in offloaded)  # offloaded blocks run the torch path
+    tolerance = 1e-4 if outtype == "f32" else 0.04  # q4_0: the native step and the torch path round differently
+    for got, expected in [*zip(logits(split, ids), logits(single, ids)),
+                          (batched_decode_logits(split, ids), batched_decode_logits(single, ids))]:
+        torch.testing.assert_close(got, expected, rtol=0, atol=tolerance * expected.abs().max().item())
+
+
 def test_ffn_options_build_hybrid_blocks_only_where_neurons_are_placed(relu_models, engines, ids):
     plan = Plan((np.arange(0, 160, 3, dtype=np.int32), np.zeros(0, dtype=np.int32)), (160, 160), 0, 0,
                 None, None, None, None)
@@ -152,11 +186,12 @@ def test_ffn_options_build_hybrid_blocks_only_where_neurons_are_placed(relu_mode
         torch.testing.assert_close(value, expected, rtol=0, atol=1e-4 * expected.abs().max().item())
 
 
-def place_everything(path: Path) -> float:
-    """Write a GPU index putting every neuron on the accelerator; return a budget (GiB) that covers it."""
+def place_everything(path: Path, accelerator: str = "cpu") -> float:
+    """Write a GPU index putting every neuron on an accelerator of type `accelerator`; return a
+    budget (GiB) that covers it and all dense parts."""
     gguf = open_gguf(path)
     config = ModelConfig.from_gguf(gguf)
-    shape = model_shape(gguf, config)
+    shape = model_shape(gguf, config, accelerator)
     write_gpu_index(index_path(path), Plan(tuple(np.arange(n, dtype=np.int32) for n in shape.n_ff), shape.n_ff,
                                            shape.ffn_bytes, shape.ffn_bytes, None, None, None, None))
     return (dense_parts(gguf, config, N_CTX).total + shape.ffn_bytes) / 2**30
@@ -193,7 +228,8 @@ def test_llm_rebuilds_a_corrupt_index_and_honours_reset_and_disable(f32_copy, ca
     place_everything(f32_copy)
     assert LLM(f32_copy, n_ctx=N_CTX, vram_budget=budget, accelerator="cpu",
                gpu_index="reset").hybrid.plan.solve_seconds is not None
-    assert LLM(f32_copy, n_ctx=N_CTX, vram_budget=budget, accelerator="cpu", gpu_index="disable").hybrid is None
+    disabled = LLM(f32_copy, n_ctx=N_CTX, vram_budget=budget, accelerator="cpu", gpu_index="disable").hybrid
+    assert not any(disabled.has_hot(i) for i in range(2)) and disabled.dense.layers == {0, 1}  # dense parts still go
     assert "GPU index disabled" in capsys.readouterr().err
     with pytest.raises(PowerInferError, match="needs dtype 'auto'"):
         LLM(f32_copy, n_ctx=N_CTX, vram_budget=1.0, dtype="float32")

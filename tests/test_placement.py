@@ -16,13 +16,16 @@ from powerinfer.config import ModelConfig
 from powerinfer.errors import PowerInferError
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.writer import TensorData, write_gguf
-from powerinfer.models.ffn import down_rows
+from powerinfer.models import load_model
+from powerinfer.models.ffn import FFNOptions, down_rows
+from powerinfer.ops.linear import CPU
 from powerinfer.ops.neuron import NeuronStore
 from powerinfer.placement.costs import ModelShape, Speeds, dense_parts, model_shape
 from powerinfer.placement.gpu_index import (ARCHITECTURE, index_path, load_gpu_index, read_gpu_index,
                                             write_gpu_index)
-from powerinfer.placement.planner import neuron_budget, plan_for_model
+from powerinfer.placement.planner import DensePlacement, neuron_budget, place_dense, plan_for_model
 from powerinfer.placement.solver import Plan, Problem, layer_groups, plan_from_counts, solve_counts
+from powerinfer.runtime.hybrid import HybridOptions, KernelNeurons
 
 # ---------------------------------------------------------------- the solver against brute force
 
@@ -199,17 +202,27 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q4_0"])
-def test_costs_match_the_neuron_store_and_the_file(tiny_models, outtype):
+def test_costs_match_what_the_accelerator_holds(tiny_models, outtype):
+    """The cost model's bytes are those of the objects an accelerator gets: neuron records (the CPU
+    standing in), the CUDA neuron layout, and every block's dense parts and the output head."""
     gguf = open_gguf(tiny_models[outtype])
     config = ModelConfig.from_gguf(gguf)
-    shape = model_shape(gguf, config)
     store = NeuronStore(gguf.tensor("blk.0.ffn_gate.weight"), gguf.tensor("blk.0.ffn_up.weight"), down_rows(gguf, 0))
+    shape = model_shape(gguf, config)
     assert shape.n_ff == (160, 160) and shape.neuron_bytes == (store.record_bytes,) * 2
-    dense = dense_parts(gguf, config, 100)
-    ffn = sum(t.n_bytes for t in gguf.tensors.values() if t.name.split(".")[-2] in ("ffn_gate", "ffn_up", "ffn_down"))
-    embedding = gguf.tensor("token_embd.weight").n_bytes
-    assert dense.weights == sum(t.n_bytes for t in gguf.tensors.values()) - ffn - embedding
-    assert dense.kv_cache == 2 * 2 * 100 * config.kv_dim * 2
+    kernel = KernelNeurons(store, torch.arange(64), CPU)  # the int4 layer's byte count is the same on any device
+    assert model_shape(gguf, config, "cuda").neuron_bytes[0] * 64 == kernel.nbytes
+
+    parts = dense_parts(gguf, config, 100)
+    everything = DensePlacement(frozenset(range(config.n_layers)), True, parts.total)
+    nothing_hot = Plan((np.zeros(0, dtype=np.int32),) * 2, (160, 160), 0, 0, None, None, None, None)
+    model = load_model(gguf, 100, FFNOptions(sparsity="off", hybrid=HybridOptions(CPU, nothing_hot, everything)))
+    kv_float16 = 2 * 2 * 100 * config.kv_dim
+    for i, block in enumerate(model.blocks):
+        attention = block.attention.qkv.nbytes + block.attention.output.nbytes
+        norms = block.attn_norm.scaled_weight.nbytes + block.ffn_norm.scaled_weight.nbytes
+        assert parts.layers[i] == attention + norms + kv_float16
+    assert parts.output == model.output.nbytes + model.output_norm.scaled_weight.nbytes
 
 
 def test_index_is_reused_rebuilt_on_reset_and_when_the_budget_shrinks(tiny_models):
@@ -235,7 +248,12 @@ def test_index_is_reused_rebuilt_on_reset_and_when_the_budget_shrinks(tiny_model
     index.unlink()
     plan(25_000, index="memory")
     assert not index.exists()
-    assert neuron_budget(gguf, config, 64, dense - 1) == 0
+    # a budget short of the dense parts: the blocks that fit go first, what is left goes to neurons
+    parts = dense_parts(gguf, config, 64)
+    assert neuron_budget(gguf, config, 64, dense - 1) == parts.layers[0] - 1
+    short = parts.output - 1  # the output head does not fit, the blocks still do
+    assert place_dense(parts, short).layers == {0, 1} and not place_dense(parts, short).output
+    assert neuron_budget(gguf, config, 64, short) == short - sum(parts.layers)
 
 
 def test_statistics_decide_the_placement(tiny_models, tmp_path):

@@ -11,7 +11,7 @@ from powerinfer.gguf.reader import open_gguf
 from powerinfer.llm import DEFAULT_N_CTX
 from powerinfer.placement.costs import GiB, Speeds, dense_parts, measure_cpu_bandwidth, model_shape
 from powerinfer.placement.gpu_index import index_path, write_gpu_index
-from powerinfer.placement.planner import load_statistics, plan_table, stderr_note
+from powerinfer.placement.planner import load_statistics, place_dense, plan_table, stderr_note
 from powerinfer.placement.solver import plan_from_counts
 
 
@@ -19,19 +19,21 @@ def main(args: argparse.Namespace) -> int:
     gguf = open_gguf(args.model)
     config = ModelConfig.from_gguf(gguf)
     n_ctx = args.ctx_size or min(DEFAULT_N_CTX, config.n_ctx_train)
-    shape = model_shape(gguf, config)
+    shape = model_shape(gguf, config, "cuda")
     cpu_bandwidth = measure_cpu_bandwidth() if args.measure else (args.cpu_bandwidth or 24.0) * 1e9
     speeds = Speeds(cpu_bandwidth, args.accelerator_bandwidth * 1e9, args.sync_us * 1e-6)
-    dense = dense_parts(gguf, config, n_ctx)
+    parts = dense_parts(gguf, config, n_ctx)
     budget = int(args.vram_budget * GiB)
+    dense = place_dense(parts, budget)
     statistics = load_statistics(Path(args.model), shape, args.activations, stderr_note)
-    plan = plan_from_counts(statistics.counts, statistics.tokens, shape, max(0, budget - dense.total), speeds,
+    plan = plan_from_counts(statistics.counts, statistics.tokens, shape, budget - dense.bytes_used, speeds,
                             args.group_size)
     print(plan_table(plan, statistics, shape))
-    print(f"model: {config.n_layers} layers x {max(shape.n_ff)} neurons, {shape.neuron_bytes[0]} bytes per neuron, "
-          f"FFN {shape.ffn_bytes / GiB:.2f} GiB; statistics: {statistics.source} ({statistics.tokens} tokens)")
-    print(f"budget: {args.vram_budget:g} GiB - dense parts {dense.weights / GiB:.3f} GiB - KV cache "
-          f"({n_ctx} tokens) {dense.kv_cache / GiB:.3f} GiB = {plan.capacity / GiB:.3f} GiB for neurons")
+    print(f"model: {config.n_layers} layers x {max(shape.n_ff)} neurons, {shape.neuron_bytes[0]} bytes per neuron "
+          f"on CUDA, FFN {shape.ffn_bytes / GiB:.2f} GiB; statistics: {statistics.source} ({statistics.tokens} tokens)")
+    print(f"budget: {args.vram_budget:g} GiB; dense parts (attention, norms, predictors, KV cache for {n_ctx} tokens, "
+          f"output head) {parts.total / GiB:.3f} GiB, of which on the accelerator: {dense.summary(config.n_layers)}; "
+          f"{plan.capacity / GiB:.3f} GiB left for neurons")
     print(f"speeds: CPU {speeds.cpu_bandwidth / 1e9:.1f} GB/s{' (measured)' if args.measure else ''}, "
           f"accelerator {speeds.accelerator_bandwidth / 1e9:.0f} GB/s, sync {speeds.sync_seconds * 1e6:.0f} us/layer")
     print(f"plan: {plan.summary()}; split layers: {_ranges(plan.split_layers)}")

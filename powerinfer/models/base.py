@@ -36,7 +36,12 @@ class CausalLM(ABC):
 
     def new_cache(self, n_ctx: int, n_slots: int = 1) -> KVCache:
         c = self.config
-        return KVCache(c.n_layers, n_slots, c.n_head_kv, n_ctx, c.head_dim)
+        return KVCache(c.n_layers, n_slots, c.n_head_kv, n_ctx, c.head_dim, self.cache_devices)
+
+    @property
+    def cache_devices(self) -> list[torch.device] | None:
+        """Where each layer's keys and values live (None: all on the CPU)."""
+        return None
 
 
 def layer_progress(n_layers: int) -> Iterable[int]:
@@ -45,13 +50,20 @@ def layer_progress(n_layers: int) -> Iterable[int]:
 
 
 class DecoderLM(CausalLM):
-    """What llama, Falcon and OPT share: token `embedding`, `blocks` (each with `attention` and
-    `ffn`, called as block(x, spans, cache)), `output_norm` and the `output` projection."""
+    """What llama, Falcon and OPT share: token `embedding`, `blocks` (each with `attention`, `ffn`
+    and the `device` of its dense parts, called as block(x, spans, cache)), `output_norm` and the
+    `output` projection on `output_device`. x moves to each block's device as it goes; logits come
+    back to the CPU."""
 
     embedding: Callable[[torch.Tensor], torch.Tensor]
     blocks: list
     output_norm: Callable[[torch.Tensor], torch.Tensor]
     output: Linear
+    output_device: torch.device = torch.device("cpu")
+
+    @property
+    def cache_devices(self) -> list[torch.device]:
+        return [block.device for block in self.blocks]
 
     def embed(self, tokens: torch.Tensor, spans: Sequence[SeqSpan]) -> torch.Tensor:
         return self.embedding(tokens)
@@ -67,8 +79,8 @@ class DecoderLM(CausalLM):
         """float32 logits from the last block's output x (all rows, or each span's last row)."""
         if which == "last" and x.shape[0] > len(spans):
             ends = torch.cumsum(torch.tensor([s.length for s in spans]), 0)
-            x = x[ends - 1]
-        return self.output(self.output_norm(x)).float()
+            x = x[ends.to(x.device) - 1]
+        return self.output(self.output_norm(x.to(self.output_device))).float().cpu()
 
     @property
     def weight_bytes_per_token(self) -> int:

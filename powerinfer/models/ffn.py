@@ -18,7 +18,7 @@ from powerinfer.config import FFNActivation
 from powerinfer.errors import PowerInferError, UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
 from powerinfer.ops.activation import activate
-from powerinfer.ops.linear import BiasedLinear, DenseLinear, Linear, float_vector, mapped_tensor
+from powerinfer.ops.linear import CPU, BiasedLinear, DenseLinear, Linear, float_vector, mapped_tensor
 from powerinfer.ops.neuron import NeuronStore, accumulate_rows, gather_matvec, sparse_ffn
 from powerinfer.ops.quant import FLOAT_TYPES, T, dequantize_rows
 
@@ -62,6 +62,9 @@ class Predictor:
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.relu(F.linear(x.to(torch.bfloat16), self.fc1)), self.fc2).float()
+
+    def to(self, device: torch.device) -> "Predictor":
+        return Predictor(self.fc1.to(device), self.fc2.to(device), self.threshold)
 
     def active(self, x: torch.Tensor) -> torch.Tensor:
         """Sorted ids of the neurons predicted to fire for any row of x."""
@@ -156,13 +159,26 @@ class SparseFFN:
 @dataclass(frozen=True)
 class FFNOptions:
     """How FFNs are built. `thresholds`: per-layer |activation| thresholds for oracle mode
-    (default: the file's calibrated ones; 0 for ReLU-family models). `hybrid`: hot neurons per layer
-    and the accelerator they run on (a layer with hot neurons is always built sparse)."""
+    (default: the file's calibrated ones; 0 for ReLU-family models). `hybrid`: what runs on the
+    accelerator (a layer with hot neurons or offloaded dense parts is always built sparse)."""
 
     sparsity: SparsityMode = "auto"
     float32: bool = False
     thresholds: tuple[float, ...] | None = None
     hybrid: HybridOptions | None = None
+
+
+def offload_device(options: FFNOptions, layer: int | None) -> torch.device | None:
+    """The accelerator that holds block `layer`'s dense parts (None: the output head's), or None
+    when they stay on the CPU."""
+    hybrid = options.hybrid
+    return hybrid.device if hybrid is not None and hybrid.offloads(layer) else None
+
+
+def dense_device(options: FFNOptions, layer: int | None) -> torch.device:
+    """Where block `layer`'s dense parts (None: the output head's) live."""
+    device = offload_device(options, layer)
+    return CPU if device is None else device
 
 
 ACTIVATION_THRESHOLDS_KEY = "powerinfer.activation_thresholds"  # ours: calibrated |a| thresholds per layer
@@ -226,7 +242,7 @@ def build_ffn(gguf: GGUFFile, layer: int, activation: FFNActivation, linear, opt
     stored_down_t = name("ffn_down_t") in gguf.tensors
     # PowerInfer names OPT's down bias after the tensor it goes with: ffn_down_t.bias in its files
     down_bias = _bias(gguf, name("ffn_down", "bias"), name("ffn_down_t", "bias"))
-    hybrid = options.hybrid is not None and options.hybrid.has_hot(layer)
+    hybrid = options.hybrid is not None and options.hybrid.splits(layer)
     if options.float32 or (not hybrid and options.sparsity == "off" and not stored_down_t) or (
             not hybrid and options.sparsity == "auto" and not has_predictors(gguf) and not stored_down_t):
         up = [name("ffn_gate"), name("ffn_up")] if activation.is_gated else [name("ffn_up")]

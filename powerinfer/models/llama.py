@@ -11,48 +11,54 @@ from powerinfer.config import FFNActivation, ModelConfig
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.base import DecoderLM, layer_progress
-from powerinfer.models.ffn import DenseFFN, FFNOptions, build_ffn
+from powerinfer.models.ffn import DenseFFN, FFNOptions, build_ffn, dense_device, offload_device
 from powerinfer.models.layers import Attention, Block, Embedding, RMSNorm, RotaryEmbedding, projection_builder
 from powerinfer.ops import native
-from powerinfer.ops.linear import Int4Linear, mapped_tensor
+from powerinfer.ops.linear import CPU, Int4Linear, mapped_tensor
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
 
 NATIVE_ACTIVATIONS = {FFNActivation.RELU_GATED: 0, FFNActivation.SILU_GATED: 1, FFNActivation.GELU_GATED: 2,
                       FFNActivation.DRELU: 3, FFNActivation.RELU: 4, FFNActivation.GELU: 5}
 
 
-def _norm(gguf: GGUFFile, name: str, eps: float) -> RMSNorm:
-    return RMSNorm(mapped_tensor(gguf.tensor(name).data), eps)
+def _norm(gguf: GGUFFile, name: str, eps: float, device: torch.device = CPU) -> RMSNorm:
+    return RMSNorm(mapped_tensor(gguf.tensor(name).data).to(device), eps)
 
 
 class LlamaBlock(Block):
-    """A pre-norm block with RMSNorms and RoPE, and the native single-token step where it applies."""
+    """A pre-norm block with RMSNorms and RoPE, and the native single-token step where it applies
+    (not in offloaded blocks, which run the same torch code on whatever device holds them)."""
 
-    def __init__(self, attn_norm: RMSNorm, attention: Attention, ffn_norm: RMSNorm, ffn):
-        super().__init__(attn_norm, attention, ffn_norm, ffn)
-        self.step = self._native_step()
+    def __init__(self, attn_norm: RMSNorm, attention: Attention, ffn_norm: RMSNorm, ffn,
+                 offload: torch.device | None = None):
+        super().__init__(attn_norm, attention, ffn_norm, ffn, CPU if offload is None else offload)
+        self.step = self._native_step() if offload is None else None
 
-    def decode(self, x: torch.Tensor, span: SeqSpan, cache: KVCache) -> None:
-        """One token of one sequence, updating x [1, d] in place (native step when available)."""
+    def decode(self, x: torch.Tensor, span: SeqSpan, cache: KVCache) -> torch.Tensor:
+        """One token of one sequence: the block's output for x [1, d] (on the native step, x itself,
+        updated in place)."""
         if self.step is None or self.observer is not None:
-            x.copy_(self(x, [span], cache))
-            return
+            return self(x, [span], cache)
+        x = x.cpu()
         keys, values = cache.slot_views(self.attention.layer, span.slot)
         self.step.attention(x, keys, values, span.start, self.attention.rope.rotations[span.start])
-        if isinstance(self.ffn, DenseFFN):
-            self.step.dense_ffn(x)
-        else:
-            x.add_(self.ffn(self.step.ffn_input(x), x))
+        self._native_ffn(x)
+        return x
 
-    def decode_rows(self, x: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache, rotations: torch.Tensor) -> None:
-        """One token of each of several sequences (x [rows, d], updated in place): per row the same
-        arithmetic as `decode`, with the projections batched. rotations: RoPE at each row's position."""
+    def decode_rows(self, x: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache,
+                    rotations: torch.Tensor) -> torch.Tensor:
+        """One token of each of several sequences (x [rows, d]): per row the same arithmetic as
+        `decode`, with the projections batched. rotations: RoPE at each row's position."""
         if self.step is None or self.observer is not None:
-            x.copy_(self(x, spans, cache))
-            return
+            return self(x, spans, cache)
+        x = x.cpu()
         layer = self.attention.layer
         self.step.attention_rows(x, cache.keys[layer], cache.values[layer], [s.slot for s in spans],
                                  [s.start for s in spans], rotations)
+        self._native_ffn(x)
+        return x
+
+    def _native_ffn(self, x: torch.Tensor) -> None:
         if isinstance(self.ffn, DenseFFN):
             self.step.dense_ffn(x)
         else:
@@ -85,23 +91,27 @@ class LlamaModel(DecoderLM):
             config.head_dim, n_ctx, config.rope_freq_base, config.rope_scale,
             freq_factors=mapped_tensor(freq_factors.data).float() if freq_factors is not None else None,
         )
-        linear = projection_builder(gguf, options.float32)
+        self.rope = rope
         self.embedding = Embedding(gguf.tensor("token_embd.weight"))
-        self.blocks = [self._block(gguf, config, i, rope, linear, options) for i in layer_progress(config.n_layers)]
-        self.output_norm = _norm(gguf, "output_norm.weight", config.norm_eps)
-        self.output = linear("output.weight" if "output.weight" in gguf.tensors else "token_embd.weight")
+        self.blocks = [self._block(gguf, config, i, rope, options) for i in layer_progress(config.n_layers)]
+        self.output_device = dense_device(options, None)
+        self.output_norm = _norm(gguf, "output_norm.weight", config.norm_eps, self.output_device)
+        self.output = projection_builder(gguf, options.float32, self.output_device)(
+            "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight")
 
     @staticmethod
-    def _block(gguf: GGUFFile, config: ModelConfig, i: int, rope: RotaryEmbedding, linear,
-               options: FFNOptions) -> LlamaBlock:
+    def _block(gguf: GGUFFile, config: ModelConfig, i: int, rope: RotaryEmbedding, options: FFNOptions) -> LlamaBlock:
+        offload = offload_device(options, i)
+        device = CPU if offload is None else offload
+        linear = projection_builder(gguf, options.float32, device)
         t = lambda name: f"blk.{i}.{name}.weight"  # noqa: E731
         attention = Attention(
             i, linear(t("attn_q"), t("attn_k"), t("attn_v")), linear(t("attn_output")),
-            config.n_head, config.n_head_kv, config.head_dim, rope,
+            config.n_head, config.n_head_kv, config.head_dim, rope.to(device),
         )
-        ffn = build_ffn(gguf, i, config.activation, linear, options)
-        return LlamaBlock(_norm(gguf, f"blk.{i}.attn_norm.weight", config.norm_eps), attention,
-                          _norm(gguf, f"blk.{i}.ffn_norm.weight", config.norm_eps), ffn)
+        ffn = build_ffn(gguf, i, config.activation, projection_builder(gguf, options.float32), options)
+        return LlamaBlock(_norm(gguf, f"blk.{i}.attn_norm.weight", config.norm_eps, device), attention,
+                          _norm(gguf, f"blk.{i}.ffn_norm.weight", config.norm_eps, device), ffn, offload)
 
     def forward(self, tokens: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache,
                 which: Literal["all", "last"] = "last") -> torch.Tensor:
@@ -110,9 +120,9 @@ class LlamaModel(DecoderLM):
         x = self.embedding(tokens)
         if len(spans) == 1:
             for block in self.blocks:
-                block.decode(x, spans[0], cache)
+                x = block.decode(x, spans[0], cache)
         else:  # a decode step of several sequences
-            rotations = self.blocks[0].attention.rope.rotations[[s.start for s in spans]]  # shared by all blocks
+            rotations = self.rope.rotations[[s.start for s in spans]]  # shared by all native steps
             for block in self.blocks:
-                block.decode_rows(x, spans, cache, rotations)
+                x = block.decode_rows(x, spans, cache, rotations)
         return self.logits(x, spans, which)

@@ -6,6 +6,7 @@ Everything here is read from a GGUF file's tensor table (no weights are touched)
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,12 +14,16 @@ from gguf import GGML_QUANT_SIZES
 
 from powerinfer.config import ModelConfig
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
+from powerinfer.ops.linear import PACK_BLOCK_N
 from powerinfer.ops.neuron import RECORD_ALIGN
-from powerinfer.ops.quant import FLOAT_TYPES, T
+from powerinfer.ops.quant import FLOAT_TYPES, QK, T
 
 GiB = 1 << 30
 KV_BYTES_PER_VALUE = 2  # the accelerator holds its KV cache in float16
-FFN_PARTS = ("ffn_gate", "ffn_up", "ffn_down", "ffn_down_t")
+INT4_GROUP_BYTES = QK // 2 + 4  # the int4 kernels: 32 nibbles, a bfloat16 scale and a bfloat16 offset
+FFN_NEURON_PARTS = ("ffn_gate", "ffn_up", "ffn_down", "ffn_down_t")  # weights and biases stay with the CPU store
+PREDICTOR_PARTS = ("fc1", "fc2")
+ATTENTION_PROJECTIONS = (("attn_q", "attn_k", "attn_v"), ("attn_qkv",), ("attn_output",))  # one projection each
 
 
 @dataclass(frozen=True)
@@ -52,13 +57,32 @@ class ModelShape:
 
 def _row_bytes(ggml_type: T, n_values: int) -> int:
     """Bytes of one row in the neuron store: Q4_0/Q4_1/Q8_0 as stored, floats as float32, any
-    other type re-encoded as Q8_0 (mirrors `ops.neuron._encoded_rows`)."""
-    if ggml_type in FLOAT_TYPES:
-        return 4 * n_values
-    if ggml_type not in (T.Q4_0, T.Q4_1, T.Q8_0):
-        ggml_type = T.Q8_0
-    block, size = GGML_QUANT_SIZES[ggml_type]
+    other type re-encoded as Q8_0."""
+    block, size = GGML_QUANT_SIZES[_record_type(ggml_type)]
     return n_values // block * size
+
+
+def _projection_row_bytes(ggml_type: T, n_values: int) -> int:
+    """Bytes of one output row of a projection as `build_linear` holds it: the int4 kernels' layout
+    (per 32 values 16 bytes of nibbles, a bfloat16 scale and offset) for Q4_0/Q4_1, twice that for
+    Q8_0 (two nibble matrices), float types as stored, other types expanded to bfloat16."""
+    if ggml_type in (T.Q4_0, T.Q4_1, T.Q8_0):
+        return n_values // QK * INT4_GROUP_BYTES * (2 if ggml_type == T.Q8_0 else 1)
+    if ggml_type in FLOAT_TYPES:
+        return n_values * FLOAT_TYPES[ggml_type].itemsize
+    return 2 * n_values
+
+
+def linear_bytes(tensors: Sequence[GGUFTensor]) -> int:
+    """Bytes of the projection `build_linear` makes from `tensors` [out, in] (stacked outputs):
+    int4 layers pad their rows to a whole block; mixed types are kept as separate layers."""
+    types = {t.ggml_type for t in tensors}
+    if len(types) > 1 and not types <= {T.Q4_0, T.Q4_1}:
+        return sum(linear_bytes([t]) for t in tensors)
+    rows, first = sum(t.shape[0] for t in tensors), tensors[0]
+    if first.ggml_type in (T.Q4_0, T.Q4_1, T.Q8_0):
+        rows += -rows % PACK_BLOCK_N
+    return rows * _projection_row_bytes(first.ggml_type, first.shape[1])
 
 
 def neuron_record_bytes(gguf: GGUFFile, layer: int, gated: bool) -> int:
@@ -74,36 +98,65 @@ def neuron_record_bytes(gguf: GGUFFile, layer: int, gated: bool) -> int:
     return -(-total // RECORD_ALIGN) * RECORD_ALIGN
 
 
-def model_shape(gguf: GGUFFile, config: ModelConfig) -> ModelShape:
+def neuron_kernel_bytes(gguf: GGUFFile, layer: int, gated: bool) -> int:
+    """Bytes of one neuron as a CUDA accelerator holds it (`runtime.hybrid.KernelNeurons`): its gate
+    and up rows as projection rows, its down row in float16 (float32 for float files)."""
+    tensor = lambda part: gguf.tensors.get(f"blk.{layer}.{part}.weight")  # noqa: E731
+    rows = [tensor("ffn_gate"), tensor("ffn_up")] if gated else [tensor("ffn_up")]
+    down_t, down = tensor("ffn_down_t"), tensor("ffn_down")
+    float_down = (down_t if down_t is not None else down).ggml_type in FLOAT_TYPES
+    n_embd = down_t.shape[1] if down_t is not None else down.shape[0]
+    return sum(_projection_row_bytes(_record_type(t.ggml_type), t.shape[1]) for t in rows) + n_embd * (4 if float_down else 2)
+
+
+def _record_type(ggml_type: T) -> T:
+    """The encoding of a row in the neuron store (mirrors `ops.neuron._encoded_rows`)."""
+    if ggml_type in FLOAT_TYPES:
+        return T.F32
+    return ggml_type if ggml_type in (T.Q4_0, T.Q4_1, T.Q8_0) else T.Q8_0
+
+
+def model_shape(gguf: GGUFFile, config: ModelConfig, accelerator: str = "cpu") -> ModelShape:
+    """Neurons and bytes per neuron as an accelerator of type `accelerator` holds them: CUDA in
+    kernel layout, any other (the CPU standing in for one) as neuron-store records."""
     n_ff = tuple(gguf.tensor(f"blk.{i}.ffn_up.weight").shape[0] for i in range(config.n_layers))
-    sizes = tuple(neuron_record_bytes(gguf, i, config.activation.is_gated) for i in range(config.n_layers))
+    bytes_of = neuron_kernel_bytes if accelerator == "cuda" else neuron_record_bytes
+    sizes = tuple(bytes_of(gguf, i, config.activation.is_gated) for i in range(config.n_layers))
     return ModelShape(n_ff, sizes)
-
-
-def _is_ffn_neuron_tensor(t: GGUFTensor) -> bool:
-    return any(t.name.endswith(f".{part}.weight") for part in FFN_PARTS)
 
 
 @dataclass(frozen=True)
 class DenseParts:
-    """Bytes the accelerator must hold before any neuron: weights other than the FFN neurons
-    (attention, norms, predictors, output matrix) and the KV cache for the context."""
+    """Bytes of what the accelerator holds before any neuron, as it holds them: per block its
+    attention projections, norms, predictor and KV cache; and the output head (output matrix and
+    its norm). The token embedding is a lookup and stays on the CPU."""
 
-    weights: int
-    kv_cache: int
+    layers: tuple[int, ...]
+    output: int
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache
+        return sum(self.layers) + self.output
+
+
+def _vector_bytes(t: GGUFTensor) -> int:
+    """Norm weights and biases are held as float32, predictor matrices as bfloat16."""
+    return t.n_elements * (2 if t.name.split(".")[-2] in PREDICTOR_PARTS else 4)
 
 
 def dense_parts(gguf: GGUFFile, config: ModelConfig, n_ctx: int) -> DenseParts:
-    """The token embedding is a lookup and stays on the CPU, unless it doubles as the output matrix."""
-    tied = "output.weight" not in gguf.tensors
-    weights = sum(t.n_bytes for t in gguf.tensors.values()
-                  if not _is_ffn_neuron_tensor(t) and (t.name != "token_embd.weight" or tied))
-    kv = 2 * config.n_layers * n_ctx * config.kv_dim * KV_BYTES_PER_VALUE
-    return DenseParts(weights, kv)
+    kv = 2 * n_ctx * config.kv_dim * KV_BYTES_PER_VALUE
+    layers = []
+    for i in range(config.n_layers):
+        prefix = f"blk.{i}."
+        tensors = {t.name.removeprefix(prefix): t for t in gguf.tensors.values() if t.name.startswith(prefix)}
+        projections = [[tensors.pop(f"{p}.weight") for p in group if f"{p}.weight" in tensors]
+                       for group in ATTENTION_PROJECTIONS]
+        rest = [t for name, t in tensors.items() if name.split(".")[0] not in FFN_NEURON_PARTS]
+        layers.append(sum(linear_bytes(g) for g in projections if g) + sum(_vector_bytes(t) for t in rest) + kv)
+    output = gguf.tensor("output.weight" if "output.weight" in gguf.tensors else "token_embd.weight")
+    norms = [t for name, t in gguf.tensors.items() if name.startswith("output_norm.")]
+    return DenseParts(tuple(layers), linear_bytes([output]) + sum(_vector_bytes(t) for t in norms))
 
 
 def measure_cpu_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:

@@ -21,7 +21,7 @@ import torch
 from powerinfer.config import ModelConfig
 from powerinfer.errors import PowerInferError
 from powerinfer.gguf.reader import GGUFFile
-from powerinfer.placement.costs import ModelShape, Speeds, dense_parts, model_shape
+from powerinfer.placement.costs import DenseParts, ModelShape, Speeds, dense_parts, model_shape
 from powerinfer.placement.gpu_index import index_path, load_gpu_index, write_gpu_index
 from powerinfer.placement.solver import DEFAULT_GROUP_SIZE, Plan, plan_from_counts
 
@@ -55,9 +55,39 @@ def load_statistics(model_path: Path, shape: ModelShape, activations: str | os.P
     return Statistics([torch.ones(n) for n in shape.n_ff], 1, "uniform")
 
 
+@dataclass(frozen=True)
+class DensePlacement:
+    """Which dense parts live on the accelerator: blocks (attention, norms, predictor, KV cache) and
+    the output head."""
+
+    layers: frozenset[int]
+    output: bool
+    bytes_used: int
+
+    def summary(self, n_layers: int) -> str:
+        return (f"dense parts of {len(self.layers)}/{n_layers} blocks{' and the output head' if self.output else ''} "
+                f"there ({self.bytes_used / (1 << 20):.1f} MiB)")
+
+
+def place_dense(parts: DenseParts, vram_budget: int) -> DensePlacement:
+    """Dense parts first, as PowerInfer does: they are read for every token, so each byte of them on
+    the accelerator saves at least as much CPU time as a byte of the hottest neuron. The output head,
+    then whole blocks from the last one down (x then crosses to the accelerator once per token),
+    while they fit."""
+    used, output = 0, parts.output <= vram_budget
+    used += parts.output if output else 0
+    layers = []
+    for i in reversed(range(len(parts.layers))):
+        if used + parts.layers[i] > vram_budget:
+            break
+        used += parts.layers[i]
+        layers.append(i)
+    return DensePlacement(frozenset(layers), output, used)
+
+
 def neuron_budget(gguf: GGUFFile, config: ModelConfig, n_ctx: int, vram_budget: int) -> int:
-    """Bytes left for FFN neurons once the dense parts are counted in."""
-    return max(0, vram_budget - dense_parts(gguf, config, n_ctx).total)
+    """Bytes left for FFN neurons once the dense parts that fit are placed."""
+    return max(0, vram_budget - place_dense(dense_parts(gguf, config, n_ctx), vram_budget).bytes_used)
 
 
 def plan_from_index(hot: tuple[np.ndarray, ...], capacity: int, shape: ModelShape,
@@ -74,11 +104,13 @@ def plan_from_index(hot: tuple[np.ndarray, ...], capacity: int, shape: ModelShap
 
 def plan_for_model(gguf: GGUFFile, config: ModelConfig, model_path: str | os.PathLike[str], n_ctx: int,
                    vram_budget: int, *, index: IndexMode = "reuse", activations: str | os.PathLike[str] | None = None,
-                   speeds: Speeds = Speeds(), group_size: int = DEFAULT_GROUP_SIZE, note: Warn = stderr_note) -> Plan:
-    """The placement to run with: the stored index while the budget covers its capacity (mode
-    "reuse"), else a fresh solve, written next to the model unless mode is "memory"."""
+                   speeds: Speeds = Speeds(), group_size: int = DEFAULT_GROUP_SIZE, note: Warn = stderr_note,
+                   accelerator: str = "cpu") -> Plan:
+    """The neuron placement to run with on an accelerator of type `accelerator`: the stored index
+    while the budget covers its capacity (mode "reuse"), else a fresh solve, written next to the
+    model unless mode is "memory"."""
     model_path = Path(model_path)
-    shape = model_shape(gguf, config)
+    shape = model_shape(gguf, config, accelerator)
     capacity = neuron_budget(gguf, config, n_ctx, vram_budget)
     path = index_path(model_path)
     if index == "reuse":

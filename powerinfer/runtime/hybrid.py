@@ -1,14 +1,19 @@
-"""Hybrid execution: each FFN's hot neurons on the accelerator, its cold neurons on the CPU.
+"""Hybrid execution: dense parts and each FFN's hot neurons on the accelerator, cold neurons on the CPU.
 
-The accelerator keeps the hot neurons' records in the CPU store's own encoding (Q4_0/Q4_1/Q8_0
-blocks or float32): VRAM is the scarce resource, so it holds as many neurons as the plan counted,
-and the rows a token needs are gathered and dequantized there. Per token only activations cross
-the bus: h goes over, the partial output comes back. The accelerator's work is queued first (CUDA
-runs it asynchronously), the CPU computes the cold neurons meanwhile, and copying the result back
-is the synchronisation point.
+The placement (`HybridOptions`) says which blocks keep their dense parts (norms, attention, KV
+cache, predictor) on the accelerator, whether the output head is there, and which neurons of each
+FFN are hot. A block whose dense parts are on the accelerator keeps the residual stream there: its
+hybrid FFN gets its input there, sends only the FFN input and the predictor's choice to the CPU
+(the one synchronisation of the layer), queues the hot neurons' work, computes the cold neurons
+on the CPU meanwhile, and merges the two parts on the accelerator. Per token only activations
+cross the bus, never weights.
 
-The accelerator is any `torch.device`; with device "cpu" the same code runs on the CPU, which is
-how the split, the merge and the index handling are tested on machines without a GPU.
+Hot neurons are held in one of two layouts (`placement.costs.model_shape` counts the bytes of
+each): on CUDA as `KernelNeurons` (gate and up rows for torch's int4 kernel, down rows in float16,
+all computed each token and the unchosen ones masked: fixed shapes, a handful of launches); on any
+other device as `RecordNeurons`, the CPU store's own records computed in its kernels' arithmetic,
+so that with the CPU standing in for the accelerator a split changes no result. That is how the
+split, the merge and the index handling are tested on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from powerinfer.config import ModelConfig
@@ -24,119 +30,182 @@ from powerinfer.errors import PowerInferError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.ffn import MAX_SPARSE_ROWS, SparseFFN
 from powerinfer.ops.activation import activate
-from powerinfer.ops.neuron import (NeuronStore, accumulate_rows, dequantize_records, gather_matvec,
-                                   matvec_records, sparse_ffn)
-from powerinfer.placement.costs import GiB
-from powerinfer.placement.planner import Warn, plan_for_model, stderr_note
+from powerinfer.ops.linear import CPU, ConcatLinear, DenseLinear, Linear, pack_int4, q8_as_nibbles
+from powerinfer.ops.neuron import (NeuronStore, Section, accumulate_rows, dequantize_records, gather_matvec,
+                                   matvec_records, q4_section, q8_section, sparse_ffn)
+from powerinfer.placement.costs import GiB, dense_parts, model_shape
+from powerinfer.placement.planner import DensePlacement, Warn, place_dense, plan_for_model, stderr_note
 from powerinfer.placement.solver import Plan
 
 GPUIndexMode = Literal["reuse", "reset", "disable"]
-CHUNK_NEURONS = 4096  # neurons dequantized at a time when all hot neurons are computed (bounds temporaries)
+CHUNK_NEURONS = 4096  # records dequantized at a time (bounds temporaries)
 
 
-class DeviceNeurons:
-    """The records of some neurons of a store, on the accelerator."""
+class RecordNeurons:
+    """Some neurons of a store as the store's own records, on any device, computed in the CPU
+    kernels' arithmetic (`matvec_records`, their reference) for a few rows and in SparseFFN's
+    bfloat16 products for `many` rows: so the split changes no result."""
 
     def __init__(self, store: NeuronStore, ids: torch.Tensor, device: torch.device):
         self.records = store.records[ids].to(device)
         self.up_bias = None if store.up_bias is None else store.up_bias[ids].to(device)
         self.gate, self.up, self.down = store.gate, store.up, store.down
-        self.device = device
 
     @property
     def nbytes(self) -> int:
         return self.records.nbytes
 
-    def ffn(self, x: torch.Tensor, activation, rows: torch.Tensor | None = None, threshold: float | None = None,
-            mask: torch.Tensor | None = None, many: bool = False) -> torch.Tensor | None:
-        """FFN output [m, d] over the neurons at positions `rows` (all when None) for x [m, d] on the
-        device. Activations with |a| <= `threshold` (oracle mode), or where `mask` [m, neurons] is
-        False (the predictor's per-row choice), are left out. None when there are no neurons.
-
-        The arithmetic is the CPU path's: the native kernels' for a few rows (`matvec_records`, their
-        reference), SparseFFN's bfloat16 products for `many` rows; so the split changes no result.
-        """
-        records = self.records if rows is None else self.records.index_select(0, rows)
-        up_bias = self.up_bias if rows is None or self.up_bias is None else self.up_bias[rows]
+    def ffn(self, x: torch.Tensor, activation, mask: torch.Tensor | None = None, threshold: float | None = None,
+            many: bool = False) -> torch.Tensor:
+        """FFN output [m, d] of these neurons for x [m, d]: activations with |a| <= `threshold`
+        (oracle mode), or where `mask` [m or 1, neurons] is False (the predictor's choice), left out."""
         y = None
-        for start in range(0, records.shape[0], CHUNK_NEURONS):
-            chunk = records[start : start + CHUNK_NEURONS]
-            up = self._products(chunk, self.up, x, many)
-            if up_bias is not None:
-                up = up + up_bias[start : start + CHUNK_NEURONS]
+        for start in range(0, self.records.shape[0], CHUNK_NEURONS):
+            chunk = slice(start, start + CHUNK_NEURONS)
+            records = self.records[chunk]
+            up = self._products(records, self.up, x, many)
+            if self.up_bias is not None:
+                up = up + self.up_bias[chunk]
             if self.gate is not None:
-                up = torch.cat([self._products(chunk, self.gate, x, many), up], dim=-1)
-            a = activate(up, activation)
-            if threshold is not None:
-                a = a * (a.abs() > threshold)
-            if mask is not None:
-                a = a * mask[:, start : start + CHUNK_NEURONS]
-            down = dequantize_records(chunk, self.down)
+                up = torch.cat([self._products(records, self.gate, x, many), up], dim=-1)
+            a = _skip(activate(up, activation), threshold, None if mask is None else mask[:, chunk])
+            down = dequantize_records(records, self.down)
             # SparseFFN._dense: the very products the CPU runs for many rows
             part = SparseFFN._dense(a, down if self.down.bits == 32 else down.to(torch.bfloat16)) if many else a @ down
             y = part if y is None else y.add_(part)
         return y
 
     @staticmethod
-    def _products(chunk: torch.Tensor, section, x: torch.Tensor, many: bool) -> torch.Tensor:
-        """x times the `section` rows of the records in `chunk`: [m, len(chunk)]."""
+    def _products(records: torch.Tensor, section: Section, x: torch.Tensor, many: bool) -> torch.Tensor:
+        """x times the `section` rows of `records`: [m, len(records)]."""
         if not many:
-            return matvec_records(chunk, section, x)
-        weights = dequantize_records(chunk, section)
+            return matvec_records(records, section, x)
+        weights = dequantize_records(records, section)
         return SparseFFN._dense(x, (weights if section.bits == 32 else weights.to(torch.bfloat16)).T)
+
+
+class _SectionRows:
+    """One section of some neuron records, as `pack_int4` reads its sources (rows by range)."""
+
+    def __init__(self, records: torch.Tensor, section: Section):
+        self.records, self.section = records, section
+        self.shape = (records.shape[0], section.n_values)
+
+    @staticmethod
+    def int4(source: "_SectionRows", start: int, end: int):
+        rows = source.records[start:end]
+        if source.section.bits == 4:
+            return q4_section(rows, source.section)
+        return q8_as_nibbles(*q8_section(rows, source.section))
+
+
+def _section_projection(records: torch.Tensor, sections: list[Section], device: torch.device) -> Linear:
+    """One projection over the `sections` rows of `records` (stacked), on `device`: torch's int4
+    kernel for 4- and 8-bit rows (exact: the same values, scales and offsets), float32 otherwise."""
+    bits = {s.bits for s in sections}
+    if len(bits) > 1:
+        return ConcatLinear([_section_projection(records, [s], device) for s in sections])
+    if bits == {32}:
+        return DenseLinear(torch.cat([dequantize_records(records, s) for s in sections]).to(device))
+    return pack_int4([_SectionRows(records, s) for s in sections], _SectionRows.int4,
+                     input_repeats=2 if bits == {8} else 1, device=device)
+
+
+class KernelNeurons:
+    """Some neurons of a store as a CUDA accelerator holds them: gate and up rows as one projection
+    on torch's int4 kernel, down rows in float16 (float32 for float files). Every token computes all
+    of them and masks the unchosen ones: fixed shapes, a few kernel launches and no gather, which on
+    a GPU costs less than reading only the chosen rows."""
+
+    def __init__(self, store: NeuronStore, ids: torch.Tensor, device: torch.device):
+        records = store.records[ids]
+        self.n = len(ids)
+        self.projection = _section_projection(records, [s for s in (store.gate, store.up) if s is not None], device)
+        down = dequantize_records(records, store.down)
+        self.down = down.to(device, torch.float32 if store.down.bits == 32 else torch.float16)
+        self.up_bias = None if store.up_bias is None else store.up_bias[ids].to(device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.projection.nbytes + self.down.nbytes
+
+    def ffn(self, x: torch.Tensor, activation, mask: torch.Tensor | None = None, threshold: float | None = None,
+            many: bool = False) -> torch.Tensor:
+        """As `RecordNeurons.ffn`, in the int4 kernel's arithmetic (bfloat16 inputs)."""
+        up = self.projection(x).float()
+        if self.up_bias is not None:
+            up[:, -self.n :] += self.up_bias
+        a = _skip(activate(up, activation), threshold, mask)
+        return (a.to(self.down.dtype) @ self.down).float()
+
+
+def _skip(a: torch.Tensor, threshold: float | None, mask: torch.Tensor | None) -> torch.Tensor:
+    if threshold is not None:
+        a = a * (a.abs() > threshold)
+    return a if mask is None else a * mask
+
+
+def device_neurons(store: NeuronStore, ids: torch.Tensor, device: torch.device) -> RecordNeurons | KernelNeurons:
+    return KernelNeurons(store, ids, device) if device.type == "cuda" else RecordNeurons(store, ids, device)
 
 
 class HybridFFN(SparseFFN):
     """A SparseFFN whose neurons `hot` (sorted ids) are computed on `device`, the rest on the CPU.
 
-    `activations` and `project` (used by profiling) stay on the CPU over the full store.
+    Input may come on the CPU or on `device` (`offloaded`: the block's dense parts, and with them
+    the predictor, live there); the result goes back where the input came from. `activations` and
+    `project` (used by profiling) stay on the CPU over the full store.
     """
 
-    def __init__(self, ffn: SparseFFN, hot: torch.Tensor, device: torch.device):
-        super().__init__(ffn.store, ffn.activation, ffn.mode, ffn.predictor, ffn.threshold)
-        n_ff = ffn.store.n_ff
-        self.is_hot = torch.zeros(n_ff, dtype=torch.bool)
+    def __init__(self, ffn: SparseFFN, hot: torch.Tensor, device: torch.device, offloaded: bool = False):
+        home = device if offloaded else CPU
+        predictor = None if ffn.predictor is None else ffn.predictor.to(home)
+        super().__init__(ffn.store, ffn.activation, ffn.mode, predictor, ffn.threshold)
+        self.is_hot = torch.zeros(ffn.store.n_ff, dtype=torch.bool)
         self.is_hot[hot] = True
-        self.position = torch.full((n_ff,), -1, dtype=torch.int64)  # neuron id -> row on the device
-        self.position[hot] = torch.arange(len(hot))
         self.hot, self.cold = hot, torch.nonzero(~self.is_hot).flatten()
-        self.accelerator = DeviceNeurons(ffn.store, hot, device)
-
-    @property
-    def n_hot(self) -> int:
-        return int(self.accelerator.records.shape[0])
+        # the same ids where the predictor's choice is made
+        self.hot_there, self.cold_there = self.hot.to(home), self.cold.to(home)
+        self.device, self.n_hot = device, len(hot)
+        self.last_on_accelerator = self.n_hot  # neurons the accelerator computed in the last call (statistics)
+        self.accelerator = device_neurons(ffn.store, hot, device) if len(hot) else None
+        self.down_bias = None if ffn.store.down_bias is None else ffn.store.down_bias.to(home)
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        device = self.accelerator.device
-        x = h.float().to(device, non_blocking=True)
-        # Each branch queues the accelerator's part first, then computes the CPU's.
+        residual = h if residual is None else residual
         if h.shape[0] > MAX_SPARSE_ROWS:  # prefill: dense products, skipped neurons zeroed per row
             self.last_active = self.store.n_ff
             threshold = self.threshold if self.mode == "oracle" else None
             keep = self.fired(None, h, residual) if self.mode == "auto" else None  # predictor: needs no a
-            hot_part = self.accelerator.ffn(x, self.activation, None, threshold,
-                                            None if keep is None else keep[:, self.hot].to(device), many=True)
-            cold_part = self._cold_dense(h, threshold, None if keep is None else keep[:, self.cold])
-        elif self.mode == "off":
+            hot = self._hot(h, None if keep is None else keep[:, self.hot_there], threshold, many=True)
+            return self._merge(h, hot, self._cold_dense(h.cpu(), threshold, None if keep is None else keep[:, self.cold_there].cpu()))
+        if self.mode == "off":
             self.last_active = self.store.n_ff
-            hot_part = self.accelerator.ffn(x, self.activation)
-            cold_part = self._cold_sparse(h, self.cold)
-        elif self.mode == "oracle":
-            hot_part = self.accelerator.ffn(x, self.activation, threshold=self.threshold)
-            cold_part = self._cold_oracle(h)
-        else:
-            idx = self.predictor.active(h if residual is None else residual)
-            self.last_active = len(idx)
-            hot_mask = self.is_hot[idx]
-            rows = self.position[idx[hot_mask]]
-            hot_part = self.accelerator.ffn(x, self.activation, rows.to(device)) if len(rows) else None
-            cold_part = self._cold_sparse(h, idx[~hot_mask])
-        if hot_part is None:
-            y = cold_part if cold_part is not None else torch.zeros(h.shape[0], self.store.dim_out)
-        else:
-            hot_part = hot_part.to(h.device)  # waits for the accelerator
-            y = hot_part if cold_part is None else cold_part.add_(hot_part)
-        return self.store.add_down_bias(y)
+            return self._merge(h, self._hot(h), self._cold_sparse(h.cpu(), self.cold))
+        if self.mode == "oracle":
+            return self._merge(h, self._hot(h, threshold=self.threshold), self._cold_oracle(h.cpu()))
+        fires = self.predictor.scores(residual) >= self.predictor.threshold
+        fires = fires.any(0) if fires.shape[0] > 1 else fires[0]  # rows share one set, as in SparseFFN
+        chosen, h_cpu = fires.cpu(), h.cpu()  # the layer's one synchronisation when the input is on the device
+        self.last_active, self.last_on_accelerator = int(chosen.sum()), int(chosen[self.hot].sum())
+        hot = self._hot(h, fires[self.hot_there][None])  # queued on the device, runs while the CPU works
+        return self._merge(h, hot, self._cold_sparse(h_cpu, self.cold[chosen[self.cold]]))
+
+    def _hot(self, h: torch.Tensor, mask: torch.Tensor | None = None, threshold: float | None = None,
+             many: bool = False) -> torch.Tensor | None:
+        if self.accelerator is None:
+            return None
+        mask = None if mask is None else mask.to(self.device)
+        return self.accelerator.ffn(h.float().to(self.device), self.activation, mask, threshold, many)
+
+    def _merge(self, h: torch.Tensor, hot: torch.Tensor | None, cold: torch.Tensor | None) -> torch.Tensor:
+        """hot + cold + the down bias, on the device `h` came on (copying hot back waits for the
+        accelerator; merging on the accelerator sends the CPU's part over)."""
+        parts = [p.to(h.device) for p in (hot, cold) if p is not None]
+        y = parts[0] if parts else torch.zeros(h.shape[0], self.store.dim_out, device=h.device)
+        for part in parts[1:]:
+            y = y.add_(part)
+        return y if self.down_bias is None else y.add_(self.down_bias)
 
     def _cold_dense(self, h: torch.Tensor, threshold: float | None, keep: torch.Tensor | None) -> torch.Tensor | None:
         """Many rows: SparseFFN's dense products over the cold neurons, skipped ones zeroed."""
@@ -146,12 +215,7 @@ class HybridFFN(SparseFFN):
         up = s.add_up_bias(self._dense(h, self._weights(s.up, self.cold).T), self.cold)
         if s.gate is not None:
             up = torch.cat([self._dense(h, self._weights(s.gate, self.cold).T), up], dim=-1)
-        a = activate(up, self.activation)
-        if threshold is not None:
-            a = a * (a.abs() > threshold)
-        if keep is not None:
-            a = a * keep
-        return self._dense(a, self._weights(s.down, self.cold))
+        return self._dense(_skip(activate(up, self.activation), threshold, keep), self._weights(s.down, self.cold))
 
     def _cold_oracle(self, h: torch.Tensor) -> torch.Tensor | None:
         s, cold = self.store, self.cold
@@ -166,7 +230,7 @@ class HybridFFN(SparseFFN):
         keep = torch.nonzero(fired.any(0) if fired.shape[0] > 1 else fired[0]).flatten()
         self.last_active = self.n_hot + len(keep)  # the accelerator computes all its neurons
         if len(keep) == 0:
-            return torch.zeros(h.shape[0], s.dim_out)
+            return None
         return accumulate_rows(s, s.down, (a * fired)[:, keep], cold[keep])
 
     def _cold_sparse(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
@@ -174,24 +238,40 @@ class HybridFFN(SparseFFN):
 
     @property
     def device_nbytes(self) -> int:
-        return self.accelerator.nbytes
+        return 0 if self.accelerator is None else self.accelerator.nbytes
+
+
+NOTHING_DENSE = DensePlacement(frozenset(), False, 0)
 
 
 @dataclass(frozen=True)
 class HybridOptions:
-    """Where each layer's hot neurons go (`FFNOptions.hybrid`)."""
+    """What goes to the accelerator `device` (`FFNOptions.hybrid`): the blocks' dense parts and the
+    output head in `dense`, each layer's hot neurons in `plan`."""
 
     device: torch.device
     plan: Plan
+    dense: DensePlacement = NOTHING_DENSE
 
-    def wrap(self, ffn: SparseFFN, layer: int) -> SparseFFN:
-        hot = self.plan.hot[layer]
-        if len(hot) == 0:
-            return ffn
-        return HybridFFN(ffn, torch.from_numpy(hot).long(), self.device)
+    def offloads(self, layer: int | None) -> bool:
+        """Whether block `layer`'s dense parts (None: the output head) live on the accelerator."""
+        return self.dense.output if layer is None else layer in self.dense.layers
 
     def has_hot(self, layer: int) -> bool:
         return len(self.plan.hot[layer]) > 0
+
+    def splits(self, layer: int) -> bool:
+        """Whether the layer's FFN runs through the hybrid executor (input on the accelerator, or
+        neurons there)."""
+        return self.has_hot(layer) or self.offloads(layer)
+
+    def wrap(self, ffn: SparseFFN, layer: int) -> SparseFFN:
+        if not self.splits(layer):
+            return ffn
+        return HybridFFN(ffn, torch.from_numpy(self.plan.hot[layer]).long(), self.device, self.offloads(layer))
+
+    def summary(self) -> str:
+        return f"{self.plan.summary()}; {self.dense.summary(len(self.plan.hot))}"
 
 
 def accelerator_device(accelerator: str | torch.device | None) -> torch.device | None:
@@ -211,8 +291,8 @@ def hybrid_options(gguf: GGUFFile, config: ModelConfig, model_path: str | os.Pat
                    vram_budget: float, *, gpu_index: GPUIndexMode = "reuse",
                    activations: str | os.PathLike[str] | None = None, accelerator: str | torch.device | None = None,
                    note: Warn = stderr_note) -> HybridOptions | None:
-    """The placement for a VRAM budget in GiB, or None when everything runs on the CPU (no
-    accelerator, or the GPU index disabled), each case said in one line through `note`."""
+    """The placement for a VRAM budget in GiB (with the GPU index disabled: dense parts only, as in
+    PowerInfer), or None when there is no accelerator; said in one line through `note`."""
     if vram_budget < 0:
         raise PowerInferError(f"VRAM budget must be >= 0 GiB, got {vram_budget}")
     if gpu_index not in ("reuse", "reset", "disable"):
@@ -221,10 +301,15 @@ def hybrid_options(gguf: GGUFFile, config: ModelConfig, model_path: str | os.Pat
     if device is None:
         note("no CUDA device: the VRAM budget is ignored and everything runs on the CPU")
         return None
+    budget = int(vram_budget * GiB)
+    dense = place_dense(dense_parts(gguf, config, n_ctx), budget)
     if gpu_index == "disable":
         note("GPU index disabled: FFN neurons run on the CPU")
-        return None
-    plan = plan_for_model(gguf, config, model_path, n_ctx, int(vram_budget * GiB), index=gpu_index,
-                          activations=activations, note=note)
-    note(f"placement on {device}: {plan.summary()}")
-    return HybridOptions(device, plan)
+        n_ff = model_shape(gguf, config).n_ff
+        plan = Plan(tuple(np.zeros(0, dtype=np.int32) for _ in n_ff), n_ff, 0, 0, None, None, None, None)
+    else:
+        plan = plan_for_model(gguf, config, model_path, n_ctx, budget, index=gpu_index, activations=activations,
+                              note=note, accelerator=device.type)
+    options = HybridOptions(device, plan, dense)
+    note(f"placement on {device}: {options.summary()}")
+    return options

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from powerinfer.ops.linear import CPU
 
 
 @dataclass(frozen=True)
@@ -20,15 +23,23 @@ class SeqSpan:
         return self.start + self.length
 
 
-class KVCache:
-    """Keys and values per layer as [slots, kv_heads, n_ctx, head_dim], allocated once."""
+def cache_dtype(device: torch.device) -> torch.dtype:
+    """float32 in CPU memory; float16 on an accelerator, whose memory is the scarce resource."""
+    return torch.float32 if device.type == "cpu" else torch.float16
 
-    def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, n_ctx: int, head_dim: int, dtype=torch.float32):
+
+class KVCache:
+    """Keys and values per layer as [slots, kv_heads, n_ctx, head_dim], allocated once, each layer's
+    on the device its attention runs on (`devices`, default: all on the CPU)."""
+
+    def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, n_ctx: int, head_dim: int,
+                 devices: Sequence[torch.device] | None = None):
         shape = (n_slots, n_kv_heads, n_ctx, head_dim)
+        devices = devices or [CPU] * n_layers
         # Uninitialised: positions are always written before they are read, and pages never
         # written (the unused end of the context) then cost no resident memory.
-        self.keys = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
-        self.values = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
+        self.keys = [torch.empty(shape, dtype=cache_dtype(d), device=d) for d in devices]
+        self.values = [torch.empty(shape, dtype=cache_dtype(d), device=d) for d in devices]
         self.n_slots, self.n_ctx = n_slots, n_ctx
         # Per layer and slot, [1, kv_heads, n_ctx, head_dim] views made once: slicing them is the
         # whole per-step cost of reading the cache.
