@@ -31,15 +31,16 @@ TOKENS = 10_000
 OUT = Path(__file__).parent / "results" / "solver.md"
 
 
-def synthetic_counts(n_layers: int, n_ff: int, scale: float, rng: np.random.Generator) -> list[np.ndarray]:
+def firing_probabilities(n_ff: int, scale: float, rng: np.random.Generator) -> np.ndarray:
+    """One layer's neuron firing probabilities, hottest first: p(r) = min(1, c (r/n_ff)^-a)."""
     rank = (np.arange(n_ff) + 1) / n_ff
-    counts = []
-    for _ in range(n_layers):
-        a = rng.uniform(0.78, 0.88)
-        c = scale * (1 - a) * rng.uniform(0.5, 1.5)
-        p = np.minimum(1.0, c * rank ** -a)
-        counts.append(rng.binomial(TOKENS, p)[rng.permutation(n_ff)])
-    return counts
+    a = rng.uniform(0.78, 0.88)
+    c = scale * (1 - a) * rng.uniform(0.5, 1.5)
+    return np.minimum(1.0, c * rank ** -a)
+
+
+def synthetic_counts(n_layers: int, n_ff: int, scale: float, rng: np.random.Generator) -> list[np.ndarray]:
+    return [rng.binomial(TOKENS, firing_probabilities(n_ff, scale, rng))[rng.permutation(n_ff)] for _ in range(n_layers)]
 
 
 def cpu_name() -> str:
