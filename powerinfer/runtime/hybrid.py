@@ -161,9 +161,9 @@ class HybridFFN(SparseFFN):
         home = device if offloaded else CPU
         predictor = None if ffn.predictor is None else ffn.predictor.to(home)
         super().__init__(ffn.store, ffn.activation, ffn.mode, predictor, ffn.threshold)
-        self.is_hot = torch.zeros(ffn.store.n_ff, dtype=torch.bool)
-        self.is_hot[hot] = True
-        self.hot, self.cold = hot, torch.nonzero(~self.is_hot).flatten()
+        is_hot = torch.zeros(ffn.store.n_ff, dtype=torch.bool)
+        is_hot[hot] = True
+        self.hot, self.cold = hot, torch.nonzero(~is_hot).flatten()
         # the same ids where the predictor's choice is made
         self.hot_there, self.cold_there = self.hot.to(home), self.cold.to(home)
         self.device, self.n_hot = device, len(hot)
@@ -178,7 +178,8 @@ class HybridFFN(SparseFFN):
             threshold = self.threshold if self.mode == "oracle" else None
             keep = self.fired(None, h, residual) if self.mode == "auto" else None  # predictor: needs no a
             hot = self._hot(h, None if keep is None else keep[:, self.hot_there], threshold, many=True)
-            return self._merge(h, hot, self._cold_dense(h.cpu(), threshold, None if keep is None else keep[:, self.cold_there].cpu()))
+            cold_keep = None if keep is None else keep[:, self.cold_there].cpu()
+            return self._merge(h, hot, self._cold_dense(h.cpu(), threshold, cold_keep))
         if self.mode == "off":
             self.last_active = self.store.n_ff
             return self._merge(h, self._hot(h), self._cold_sparse(h.cpu(), self.cold))
