@@ -14,7 +14,7 @@ from powerinfer.models.base import DecoderLM, layer_progress
 from powerinfer.models.ffn import DenseFFN, FFNOptions, build_ffn
 from powerinfer.models.layers import Attention, Block, Embedding, RMSNorm, RotaryEmbedding, projection_builder
 from powerinfer.ops import native
-from powerinfer.ops.linear import Int4Linear, mapped_tensor
+from powerinfer.ops.linear import Int4Linear, Linear, QuantLinear, mapped_tensor
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
 
 NATIVE_ACTIVATIONS = {FFNActivation.RELU_GATED: 0, FFNActivation.SILU_GATED: 1, FFNActivation.GELU_GATED: 2,
@@ -63,9 +63,9 @@ class LlamaBlock(Block):
         ops = native.load()
         a = self.attention
         projections = [a.qkv, a.output] + ([self.ffn.up, self.ffn.down] if isinstance(self.ffn, DenseFFN) else [])
-        if ops is None or not a.rope.interleaved or not all(isinstance(p, Int4Linear) for p in projections):
+        if ops is None or not a.rope.interleaved or not all(isinstance(p, (Int4Linear, QuantLinear)) for p in projections):
             return None
-        project = lambda p: ops.Int4Projection(p.packed, p.scale_zero, p.out_features, p.input_repeats)  # noqa: E731
+        project = lambda p: _native_projection(ops, p)  # noqa: E731
         dense = isinstance(self.ffn, DenseFFN)
         return ops.LlamaBlockStep(
             self.attn_norm.scaled_weight, self.attn_norm.eps_term, project(a.qkv), project(a.output),
@@ -73,6 +73,13 @@ class LlamaBlock(Block):
             project(self.ffn.up) if dense else None, project(self.ffn.down) if dense else None,
             NATIVE_ACTIVATIONS[self.ffn.activation],
         )
+
+
+def _native_projection(ops, linear: Linear):
+    """The C++ step's handle on a quantized linear layer (same kernel as its Python call)."""
+    if isinstance(linear, QuantLinear):
+        return ops.QuantProjection(linear.weight, linear.scales, linear.out_features)
+    return ops.Int4Projection(linear.packed, linear.scale_zero, linear.out_features, linear.input_repeats)
 
 
 class LlamaModel(DecoderLM):

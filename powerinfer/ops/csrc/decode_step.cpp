@@ -2,27 +2,53 @@
 // per block (at batch 1 their overhead costs as much as the matrix products).
 //
 // The arithmetic is the same as the Python path (powerinfer/models/layers.py), which remains the
-// reference: RMSNorm via hypot, torch's int4 kernel for the projections, RoPE as complex rotation,
-// scaled_dot_product_attention over the slot's cache.
+// reference: RMSNorm via hypot, the linear layers' own kernels for the projections, RoPE as
+// complex rotation, scaled_dot_product_attention over the slot's cache.
 #include <torch/extension.h>
 #include <ATen/ATen.h>
+#include <memory>
 #include <vector>
+
+torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
+                           int64_t out_features);  // quant_matmul.cpp
 
 namespace {
 
-// A projection on torch's int4 kernel: the input repeated `repeats` times along K (Q8_0 as two
-// nibble matrices), outputs padded to a multiple of 64 and cut back to `out_features`.
-struct Int4Projection {
+// A linear layer as the step calls it; one subclass per weight layout (powerinfer/ops/linear.py).
+struct Projection {
+  virtual ~Projection() = default;
+  virtual torch::Tensor operator()(const torch::Tensor& x) const = 0;
+};
+
+// Int4Linear: torch's int4 kernel, the input repeated `repeats` times along K (Q8_0 as two nibble
+// matrices), outputs padded to a multiple of 64 and cut back to `out_features`.
+struct Int4Projection : Projection {
   torch::Tensor packed, scale_zero;
   int64_t out_features, repeats;
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  Int4Projection(torch::Tensor packed, torch::Tensor scale_zero, int64_t out_features, int64_t repeats)
+      : packed(std::move(packed)), scale_zero(std::move(scale_zero)), out_features(out_features), repeats(repeats) {}
+
+  torch::Tensor operator()(const torch::Tensor& x) const override {
     torch::Tensor input = x.to(torch::kBFloat16);
     if (repeats > 1) input = torch::cat(std::vector<torch::Tensor>(repeats, input), 1);
     torch::Tensor y = at::_weight_int4pack_mm_for_cpu(input, packed, 32, scale_zero);
     return y.size(1) == out_features ? y : y.narrow(1, 0, out_features);
   }
 };
+
+// QuantLinear: our bfloat16 dot-product kernel (quant_matmul.cpp), float32 outputs.
+struct QuantProjection : Projection {
+  torch::Tensor weight, scales;
+  int64_t out_features;
+
+  QuantProjection(torch::Tensor weight, torch::Tensor scales, int64_t out_features)
+      : weight(std::move(weight)), scales(std::move(scales)), out_features(out_features) {}
+
+  torch::Tensor operator()(const torch::Tensor& x) const override { return quant_matmul(x, weight, scales, out_features); }
+};
+
+using ProjectionPtr = std::shared_ptr<Projection>;
 
 struct RMSNorm {
   torch::Tensor scaled_weight, eps_term;  // weight * sqrt(d), sqrt(d * eps)
@@ -35,9 +61,9 @@ struct RMSNorm {
 
 class LlamaBlockStep {
  public:
-  LlamaBlockStep(torch::Tensor attn_norm, torch::Tensor attn_eps, Int4Projection qkv, Int4Projection output,
+  LlamaBlockStep(torch::Tensor attn_norm, torch::Tensor attn_eps, ProjectionPtr qkv, ProjectionPtr output,
                  int64_t n_head, int64_t n_head_kv, int64_t head_dim, torch::Tensor ffn_norm, torch::Tensor ffn_eps,
-                 c10::optional<Int4Projection> up, c10::optional<Int4Projection> down, int64_t activation)
+                 ProjectionPtr up, ProjectionPtr down, int64_t activation)
       : attn_norm_{attn_norm, attn_eps}, qkv_(std::move(qkv)), output_(std::move(output)), n_head_(n_head),
         n_head_kv_(n_head_kv), head_dim_(head_dim), ffn_norm_{ffn_norm, ffn_eps}, up_(std::move(up)),
         down_(std::move(down)), activation_(activation) {}
@@ -45,7 +71,7 @@ class LlamaBlockStep {
   // x += attention(norm(x)) for the token at `pos`; k/v_slot: [1, kv_heads, n_ctx, head_dim].
   void attention(torch::Tensor x, torch::Tensor k_slot, torch::Tensor v_slot, int64_t pos, torch::Tensor rotation) const {
     const int64_t qk_heads = n_head_ + n_head_kv_;
-    torch::Tensor qkv = qkv_(attn_norm_(x)).to(torch::kFloat32);  // [1, (q+2kv) * hd]
+    torch::Tensor qkv = (*qkv_)(attn_norm_(x)).to(torch::kFloat32);  // [1, (q+2kv) * hd]
     torch::Tensor qk = qkv.narrow(1, 0, qk_heads * head_dim_).view({qk_heads, head_dim_ / 2, 2});
     qk = torch::view_as_real(torch::view_as_complex(qk) * rotation).view({qk_heads, head_dim_});
     torch::Tensor v = qkv.narrow(1, qk_heads * head_dim_, n_head_kv_ * head_dim_).view({n_head_kv_, head_dim_});
@@ -54,7 +80,7 @@ class LlamaBlockStep {
     torch::Tensor q = qk.narrow(0, 0, n_head_).view({1, n_head_, 1, head_dim_});
     torch::Tensor keys = k_slot.narrow(2, 0, pos + 1), values = v_slot.narrow(2, 0, pos + 1);
     torch::Tensor out = at::scaled_dot_product_attention(q, keys, values, {}, 0.0, false, c10::nullopt, true);
-    x.add_(output_(out.view({1, n_head_ * head_dim_})));
+    x.add_((*output_)(out.view({1, n_head_ * head_dim_})));
   }
 
   // x += attention(norm(x)) for one token of each of several sequences: row b of x [rows, d] sits at
@@ -67,7 +93,7 @@ class LlamaBlockStep {
     const int64_t rows = x.size(0), qk_heads = n_head_ + n_head_kv_;
     TORCH_CHECK(static_cast<int64_t>(slots.size()) == rows && static_cast<int64_t>(positions.size()) == rows,
                 "one slot and one position per row");
-    torch::Tensor qkv = qkv_(attn_norm_(x)).to(torch::kFloat32);  // [rows, (q+2kv) * hd]
+    torch::Tensor qkv = (*qkv_)(attn_norm_(x)).to(torch::kFloat32);  // [rows, (q+2kv) * hd]
     torch::Tensor qk = qkv.narrow(1, 0, qk_heads * head_dim_).reshape({rows, qk_heads, head_dim_ / 2, 2});
     qk = torch::view_as_real(torch::view_as_complex(qk) * rotations).view({rows, qk_heads, head_dim_});
     torch::Tensor v = qkv.narrow(1, qk_heads * head_dim_, n_head_kv_ * head_dim_).reshape({rows, n_head_kv_, head_dim_});
@@ -85,12 +111,12 @@ class LlamaBlockStep {
         out[b].copy_(o.view({n_head_ * head_dim_}));
       }
     });
-    x.add_(output_(out));
+    x.add_((*output_)(out));
   }
 
   // x += ffn(norm(x)), all neurons.
   void dense_ffn(torch::Tensor x) const {
-    TORCH_CHECK(up_.has_value() && down_.has_value(), "this block has no dense FFN weights");
+    TORCH_CHECK(up_ && down_, "this block has no dense FFN weights");
     torch::Tensor h = (*up_)(ffn_norm_(x));
     torch::Tensor a;
     const int64_t half = h.size(1) / 2;
@@ -110,10 +136,10 @@ class LlamaBlockStep {
 
  private:
   RMSNorm attn_norm_;
-  Int4Projection qkv_, output_;
+  ProjectionPtr qkv_, output_;
   int64_t n_head_, n_head_kv_, head_dim_;
   RMSNorm ffn_norm_;
-  c10::optional<Int4Projection> up_, down_;
+  ProjectionPtr up_, down_;  // null without a dense FFN
   int64_t activation_;
 };
 
@@ -121,12 +147,14 @@ class LlamaBlockStep {
 
 void register_decode_step(pybind11::module& m) {
   namespace py = pybind11;
-  py::class_<Int4Projection>(m, "Int4Projection")
-      .def(py::init<torch::Tensor, torch::Tensor, int64_t, int64_t>())
-      .def("__call__", &Int4Projection::operator());
+  py::class_<Projection, ProjectionPtr>(m, "Projection").def("__call__", &Projection::operator());
+  py::class_<Int4Projection, Projection, std::shared_ptr<Int4Projection>>(m, "Int4Projection")
+      .def(py::init<torch::Tensor, torch::Tensor, int64_t, int64_t>());
+  py::class_<QuantProjection, Projection, std::shared_ptr<QuantProjection>>(m, "QuantProjection")
+      .def(py::init<torch::Tensor, torch::Tensor, int64_t>());
   py::class_<LlamaBlockStep>(m, "LlamaBlockStep")
-      .def(py::init<torch::Tensor, torch::Tensor, Int4Projection, Int4Projection, int64_t, int64_t, int64_t,
-                    torch::Tensor, torch::Tensor, c10::optional<Int4Projection>, c10::optional<Int4Projection>, int64_t>())
+      .def(py::init<torch::Tensor, torch::Tensor, ProjectionPtr, ProjectionPtr, int64_t, int64_t, int64_t,
+                    torch::Tensor, torch::Tensor, ProjectionPtr, ProjectionPtr, int64_t>())
       .def("attention", &LlamaBlockStep::attention)
       .def("attention_rows", &LlamaBlockStep::attention_rows)
       .def("dense_ffn", &LlamaBlockStep::dense_ffn)
