@@ -69,7 +69,7 @@ class LlamaBlock(Block):
         dense = isinstance(self.ffn, DenseFFN)
         return ops.LlamaBlockStep(
             self.attn_norm.scaled_weight, self.attn_norm.eps_term, project(a.qkv), project(a.output),
-            a.n_head, a.n_head_kv, a.head_dim, self.ffn_norm.scaled_weight, self.ffn_norm.eps_term,
+            a.n_head, a.n_head_kv, self.ffn_norm.scaled_weight, self.ffn_norm.eps_term,
             project(self.ffn.up) if dense else None, project(self.ffn.down) if dense else None,
             NATIVE_ACTIVATIONS[self.ffn.activation],
         )
