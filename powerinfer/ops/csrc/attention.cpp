@@ -57,25 +57,72 @@ float softmax_numerators(float* p, int64_t n) {
   return sum;
 }
 
+#if defined(__AVX512F__)
+// Lane i of the result: the sum of the lanes of v[i] (16 dot products finished at once).
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xdd));
+}
+
+constexpr int64_t MAX_CHUNKS = 8;  // head_dim up to 128 in registers
+
+// p[j] = q . K[j] * scale for j < n, head_dim = 16 * chunks.
+void scores(const float* q, const float* K, int64_t n, int64_t chunks, float scale, float* p) {
+  const int64_t hd = 16 * chunks;
+  __m512 qv[MAX_CHUNKS];
+  for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  auto dot = [&](const float* k) {
+    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+    for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), acc);
+    return acc;
+  };
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m512 v[16];
+    for (int i = 0; i < 16; ++i) v[i] = dot(K + (j + i) * hd);
+    _mm512_storeu_ps(p + j, _mm512_mul_ps(sum_lanes16(v), _mm512_set1_ps(scale)));
+  }
+  for (; j < n; ++j) p[j] = _mm512_reduce_add_ps(dot(K + j * hd)) * scale;
+}
+
+// out = sum_j p[j] V[j] * inverse, head_dim = 16 * chunks.
+void weighted_values(const float* p, const float* V, int64_t n, int64_t chunks, float inverse, float* out) {
+  __m512 acc[MAX_CHUNKS];
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 w = _mm512_set1_ps(p[j]);
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(V + j * 16 * chunks + 16 * c), acc[c]);
+  }
+  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inverse)));
+}
+#endif
+
 // out[hd] = softmax(q . K[j] * scale) V over keys j < n; K, V: rows of hd floats; p: n floats of scratch.
 void attend_head(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p,
                  float* out) {
+#if defined(__AVX512F__)
+  if (hd % 16 == 0 && hd / 16 <= MAX_CHUNKS) {
+    scores(q, K, n, hd / 16, scale, p);
+    weighted_values(p, V, n, hd / 16, 1.0f / softmax_numerators(p, n), out);
+    return;
+  }
+#endif
   for (int64_t j = 0; j < n; ++j) {
-    const float* k = K + j * hd;
     float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t d = 0; d < hd; ++d) dot += q[d] * k[d];
+    for (int64_t d = 0; d < hd; ++d) dot += q[d] * K[j * hd + d];
     p[j] = dot * scale;
   }
   const float inverse = 1.0f / softmax_numerators(p, n);
   std::fill(out, out + hd, 0.0f);
-  for (int64_t j = 0; j < n; ++j) {
-    const float* v = V + j * hd;
-    const float w = p[j];
-#pragma omp simd
-    for (int64_t d = 0; d < hd; ++d) out[d] += w * v[d];
-  }
-#pragma omp simd
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < hd; ++d) out[d] += p[j] * V[j * hd + d];
   for (int64_t d = 0; d < hd; ++d) out[d] *= inverse;
 }
 

@@ -96,6 +96,22 @@ void output_block_rows(int rows, const uint32_t* pairs, const float* sums, int64
   }
 }
 
+// x as bfloat16, row-major. float32 is rounded to nearest even here (denormals become 0), which
+// spares a torch call and a tensor per projection.
+std::vector<uint16_t> as_bf16(const torch::Tensor& x) {
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const auto xc = bf16 || x.scalar_type() == torch::kFloat32 ? x.contiguous() : x.to(torch::kFloat32).contiguous();
+  std::vector<uint16_t> out(xc.numel());
+  if (bf16) {
+    std::memcpy(out.data(), xc.data_ptr(), out.size() * 2);
+    return out;
+  }
+  const float* f = xc.data_ptr<float>();
+  for (size_t i = 0; i < out.size(); i += 16)  // numel is a multiple of 32
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(f + i))));
+  return out;
+}
+
 // Per row and block of 32 inputs, the float32 sum of the bfloat16 inputs (a fixed order per row).
 std::vector<float> block_sums(const uint16_t* x, int64_t M, int64_t K) {
   std::vector<float> sums(M * (K / GROUP));
@@ -137,8 +153,8 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& weight, 
   TORCH_CHECK(out_features > (blocks - 1) * COLS && out_features <= blocks * COLS, "out_features does not match the weight");
   auto out = torch::empty({M, out_features}, x.options().dtype(torch::kFloat32));
 #ifdef POWERINFER_QUANT_MATMUL
-  const auto xb = x.to(torch::kBFloat16).contiguous();
-  const auto* xs = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  const std::vector<uint16_t> xb = as_bf16(x);
+  const uint16_t* xs = xb.data();
   const std::vector<float> sums = eight_bit ? std::vector<float>() : block_sums(xs, M, K);
   const auto* pairs = reinterpret_cast<const uint32_t*>(xs);
   const auto* w = weight.data_ptr<uint8_t>();
