@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -23,7 +24,9 @@ from hypothesis import strategies as st
 from powerinfer.commands.serve import listen
 from powerinfer.errors import PowerInferError
 from powerinfer.runtime.engine import Engine
+from powerinfer.runtime.scheduler import Event
 from powerinfer.server.app import create_app
+from powerinfer.server.generation import Mailbox
 
 PARALLEL = 4
 PROMPTS = [f"{subject} is" for subject in (
@@ -180,6 +183,39 @@ def test_metrics(server, client, model_id):
 
 
 # ---------------------------------------------------------------- batching
+
+
+def test_mailbox_wakes_the_loop_once_per_batch_and_keeps_order():
+    async def scenario() -> tuple[list, int]:
+        loop = asyncio.get_running_loop()
+        wake_ups = 0
+        original = loop.call_soon_threadsafe
+
+        def counting(callback, *args):
+            nonlocal wake_ups
+            wake_ups += 1
+            return original(callback, *args)
+
+        loop.call_soon_threadsafe = counting
+        box, queues = Mailbox.of(loop), [asyncio.Queue(), asyncio.Queue()]
+        poster = threading.Thread(target=lambda: [box.post(queues[i % 2], Event(str(i))) for i in range(10)])
+        poster.start()
+        poster.join()
+        received = [[(await q.get()).text for _ in range(5)] for q in queues]
+        return received, wake_ups
+
+    received, wake_ups = asyncio.run(scenario())
+    assert received == [["0", "2", "4", "6", "8"], ["1", "3", "5", "7", "9"]]
+    assert wake_ups == 1
+
+
+def test_mailbox_of_a_closed_loop_refuses_events():
+    loop = asyncio.new_event_loop()
+    box = Mailbox.of(loop)
+    loop.close()
+    with pytest.raises(RuntimeError):
+        box.post(asyncio.Queue(), Event("late"))
+
 
 
 def test_batched_decode_gives_each_row_its_own_logits_exactly(default_llm):

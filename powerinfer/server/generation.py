@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import weakref
+from collections import deque
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request as HTTPRequest
@@ -19,13 +22,54 @@ class ClientGone(Exception):
     """The client of a non-streaming request disconnected before the answer was ready."""
 
 
+class Mailbox:
+    """Events from the scheduler's thread for the queues of one event loop. A decode step emits an
+    event for every row; the loop is woken once for all of them, not once per event."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: deque[tuple[asyncio.Queue[Event], Event]] = deque()
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "Mailbox":
+        box = _MAILBOXES.get(loop)
+        if box is None:
+            box = _MAILBOXES[loop] = cls(loop)
+        return box
+
+    def post(self, queue: asyncio.Queue[Event], event: Event) -> None:
+        """Called from any thread; raises RuntimeError once the loop is closed (the receiver is gone)."""
+        if self.loop.is_closed():
+            raise RuntimeError("the event loop is closed")
+        with self.lock:
+            self.pending.append((queue, event))
+            wake = len(self.pending) == 1  # else a wake-up is already on its way
+        if wake:
+            try:
+                self.loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:  # closed meanwhile: nobody will read what is pending
+                with self.lock:
+                    self.pending.clear()
+                raise
+
+    def _deliver(self) -> None:
+        with self.lock:
+            ready, self.pending = self.pending, deque()
+        for queue, event in ready:
+            queue.put_nowait(event)
+
+
+_MAILBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
+
+
 class Generation:
     """Runs `sequence` on the scheduler; events arrive on this event loop's queue."""
 
     def __init__(self, scheduler: Scheduler, sequence: GenerationSequence):
-        loop = asyncio.get_running_loop()
+        mailbox = Mailbox.of(asyncio.get_running_loop())
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.request = Request(sequence, lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event))
+        self.request = Request(sequence, lambda event: mailbox.post(self.queue, event))
         self.scheduler = scheduler
         self.sequence = sequence
 
