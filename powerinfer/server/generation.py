@@ -23,13 +23,14 @@ class ClientGone(Exception):
 
 
 class Mailbox:
-    """Events from the scheduler's thread for the queues of one event loop. A decode step emits an
-    event for every row; the loop is woken once for all of them, not once per event."""
+    """Events from the scheduler's thread for the queues of one event loop: the scheduler puts a
+    decode step's events (one per row), then wakes the loop once for all of them."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.lock = threading.Lock()
         self.pending: deque[tuple[asyncio.Queue[Event], Event]] = deque()
+        self.waking = False  # a hand-over is scheduled on the loop
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> "Mailbox":
@@ -38,24 +39,24 @@ class Mailbox:
             box = _MAILBOXES[loop] = cls(loop)
         return box
 
-    def post(self, queue: asyncio.Queue[Event], event: Event) -> None:
+    def put(self, queue: asyncio.Queue[Event], event: Event) -> None:
         """Called from any thread; raises RuntimeError once the loop is closed (the receiver is gone)."""
         if self.loop.is_closed():
             raise RuntimeError("the event loop is closed")
         with self.lock:
             self.pending.append((queue, event))
-            wake = len(self.pending) == 1  # else a wake-up is already on its way
-        if wake:
-            try:
-                self.loop.call_soon_threadsafe(self._deliver)
-            except RuntimeError:  # closed meanwhile: nobody will read what is pending
-                with self.lock:
-                    self.pending.clear()
-                raise
+
+    def wake(self) -> None:
+        """Hand what is pending to the queues, on the loop (called from any thread)."""
+        with self.lock:
+            if not self.pending or self.waking:
+                return
+            self.waking = True
+        self.loop.call_soon_threadsafe(self._deliver)
 
     def _deliver(self) -> None:
         with self.lock:
-            ready, self.pending = self.pending, deque()
+            ready, self.pending, self.waking = self.pending, deque(), False
         for queue, event in ready:
             queue.put_nowait(event)
 
@@ -69,7 +70,7 @@ class Generation:
     def __init__(self, scheduler: Scheduler, sequence: GenerationSequence):
         mailbox = Mailbox.of(asyncio.get_running_loop())
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.request = Request(sequence, lambda event: mailbox.post(self.queue, event))
+        self.request = Request(sequence, lambda event: mailbox.put(self.queue, event), mailbox.wake)
         self.scheduler = scheduler
         self.sequence = sequence
 
