@@ -190,5 +190,6 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor keys, torch::Ten
 }
 
 void register_attention(pybind11::module& m) {
-  m.def("decode_attention", &decode_attention, "one new token per row: RoPE, store k/v, attend over each row's cache slot");
+  m.def("decode_attention", &decode_attention, "one new token per row: RoPE, store k/v, attend over each row's cache slot",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

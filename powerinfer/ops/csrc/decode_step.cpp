@@ -142,7 +142,9 @@ class LlamaBlockStep {
 
 void register_decode_step(pybind11::module& m) {
   namespace py = pybind11;
-  py::class_<Projection, ProjectionPtr>(m, "Projection").def("__call__", &Projection::operator());
+  // The steps hold no Python objects: other Python threads (the server's event loop) run meanwhile.
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  py::class_<Projection, ProjectionPtr>(m, "Projection").def("__call__", &Projection::operator(), no_gil);
   py::class_<Int4Projection, Projection, std::shared_ptr<Int4Projection>>(m, "Int4Projection")
       .def(py::init<torch::Tensor, torch::Tensor, int64_t, int64_t>());
   py::class_<QuantProjection, Projection, std::shared_ptr<QuantProjection>>(m, "QuantProjection")
@@ -150,8 +152,8 @@ void register_decode_step(pybind11::module& m) {
   py::class_<LlamaBlockStep>(m, "LlamaBlockStep")
       .def(py::init<torch::Tensor, torch::Tensor, ProjectionPtr, ProjectionPtr, int64_t, int64_t, torch::Tensor,
                     torch::Tensor, ProjectionPtr, ProjectionPtr, int64_t>())
-      .def("attention", &LlamaBlockStep::attention)
-      .def("attention_rows", &LlamaBlockStep::attention_rows)
-      .def("dense_ffn", &LlamaBlockStep::dense_ffn)
-      .def("ffn_input", &LlamaBlockStep::ffn_input);
+      .def("attention", &LlamaBlockStep::attention, no_gil)
+      .def("attention_rows", &LlamaBlockStep::attention_rows, no_gil)
+      .def("dense_ffn", &LlamaBlockStep::dense_ffn, no_gil)
+      .def("ffn_input", &LlamaBlockStep::ffn_input, no_gil);
 }

@@ -181,5 +181,6 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& weight, 
 
 void register_quant_matmul(pybind11::module& m) {
   m.def("quant_matmul_available", &quant_matmul_available, "whether this build has the AVX-512 bfloat16 kernel");
-  m.def("quant_matmul", &quant_matmul, "x @ W.T for Q4_0/Q4_1/Q8_0 weights in the paired layout (float32 out)");
+  m.def("quant_matmul", &quant_matmul, "x @ W.T for Q4_0/Q4_1/Q8_0 weights in the paired layout (float32 out)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }
