@@ -46,7 +46,7 @@ def main() -> None:
     llama = llama_cpp.Llama(str(model), n_ctx=512, logits_all=True, n_threads=2, verbose=False)
     llama.eval(ids)
     rows = [
-        compare("powerinfer (int4 kernels, bfloat16 activations)", fast.logits(ids), reference),
+        compare("powerinfer (quantized kernels, bfloat16 activations)", fast.logits(ids), reference),
         compare("powerinfer dtype=float32", exact.logits(ids), reference),
         compare("llama.cpp (8-bit activations)", np.array(llama.scores[: len(ids)]), reference),
     ]
@@ -68,9 +68,11 @@ def main() -> None:
         "| --- | ---: | ---: | ---: |",
         *rows,
         "",
-        "The int4 kernel rounds activations, scales and outputs to bfloat16; llama.cpp quantizes",
-        "activations to 8 bits for its Q4_1 dot products. `dtype=\"float32\"` dequantizes the weights and",
-        "computes in float32: it is what the tests compare token-for-token with transformers.",
+        "Our quantized kernel (`QuantLinear`) rounds activations to bfloat16 and keeps the file's float16",
+        "scales, float32 sums and outputs (torch's int4 kernel, used where the CPU lacks AVX-512 bfloat16",
+        "dot products, also rounds scales and outputs to bfloat16); llama.cpp quantizes activations to 8",
+        "bits for its Q4_1 dot products. `dtype=\"float32\"` dequantizes the weights and computes in",
+        "float32: it is what the tests compare token-for-token with transformers.",
         "",
         f"Tokenizer: identical to llama.cpp's on {same} of {len(lines)} lines of valid.txt. transformers'",
         "GGUF reader differs on 4 lines: it omits the digit split of the `smollm` pre-tokenizer, which",

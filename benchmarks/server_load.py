@@ -101,6 +101,28 @@ async def load(url: str, streams: int, tokens: int, offset: int) -> Run:
     return Run(streams, sum(n for n, _ in results), seconds, statistics.mean(t for _, t in results))
 
 
+class OtherLoad:
+    """The share of the machine's CPU time that processes other than this benchmark and its server
+    used while it ran (the machine may be shared: their load slows the runs)."""
+
+    def __init__(self, server_pid: int):
+        self.pids = [os.getpid(), server_pid]
+        self.start = self._sample()
+
+    def _sample(self) -> tuple[int, int, int]:
+        """(busy, total) jiffies of the machine, jiffies of our processes."""
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        ours = 0
+        for pid in self.pids:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            ours += sum(int(v) for v in stat[stat.rindex(")") + 2 :].split()[11:13])  # utime, stime
+        return sum(fields) - fields[3] - fields[4], sum(fields), ours
+
+    def share(self) -> float:
+        busy, total, ours = (b - a for a, b in zip(self.start, self._sample()))
+        return max(0, busy - ours) / total if total else 0.0
+
+
 def machine() -> str:
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -110,7 +132,7 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} logical cores, {platform.system()} {platform.release()}"
 
 
-def write_table(runs: dict[int, Run], args: argparse.Namespace, model: str) -> str:
+def write_table(runs: dict[int, Run], args: argparse.Namespace, model: str, other_load: float) -> str:
     import torch
 
     base = runs[min(runs)].tokens_per_second
@@ -122,6 +144,7 @@ def write_table(runs: dict[int, Run], args: argparse.Namespace, model: str) -> s
         f"- model: {model}; `powerinfer serve --parallel {args.parallel} -c {args.ctx}`",
         (f"- each stream: a different prompt, greedy, {args.tokens} tokens, streamed from /v1/completions; "
          f"median of {args.repetitions} repetitions (levels interleaved)"),
+        f"- other processes used {other_load:.0%} of the machine's CPU time during the run",
         "- command: `.venv/bin/python benchmarks/server_load.py`",
         "",
         "| streams | tokens | wall s | aggregate tok/s | per stream tok/s | mean time to first token ms | vs 1 stream |",
@@ -151,6 +174,7 @@ def main() -> None:
     try:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         asyncio.run(load(url, max(levels), 8, 0))  # warm-up
+        other = OtherLoad(server.pid)
         samples: dict[int, list[Run]] = {n: [] for n in levels}
         for rep in range(args.repetitions):
             for n in levels:
@@ -158,11 +182,12 @@ def main() -> None:
                 samples[n].append(run)
                 print(f"rep {rep + 1}: {n:2d} streams {run.tokens:5d} tokens in {run.seconds:6.2f} s = "
                       f"{run.tokens_per_second:7.1f} tok/s", file=sys.stderr)
+        other_load = other.share()
     finally:
         server.terminate()
         server.wait(timeout=30)
     runs = {n: sorted(rs, key=lambda r: r.tokens_per_second)[len(rs) // 2] for n, rs in samples.items()}
-    table = write_table(runs, args, model)
+    table = write_table(runs, args, model, other_load)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(table)
     print(table)

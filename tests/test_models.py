@@ -112,7 +112,9 @@ def test_batched_decode_equals_separate_sequences(tiny_llama, ids):
 
 
 def test_native_decode_step_equals_python_path(tiny_llama, ids):
-    """The C++ single-token step (used when available) computes exactly what the Python blocks do."""
+    """The C++ single-token step (used when available) computes what the Python blocks do. Its
+    attention (attention.cpp) rounds differently from torch's in float32, and the next projection's
+    bfloat16 activations can turn that into up to ~2^-9 of an activation: close, not equal."""
     _, _, ggufs = tiny_llama
     engine = engine_for(ggufs["q4_1"])
     steps = [block.step for block in engine.model.blocks]
@@ -127,4 +129,5 @@ def test_native_decode_step_equals_python_path(tiny_llama, ids):
         block.step = None
     python.prefill(0, ids[:10])
     python_rows = torch.stack([python.decode([(0, t)])[0] for t in ids[10:20]])
-    torch.testing.assert_close(native_rows, python_rows, rtol=0, atol=1e-5)
+    scale, diff = python_rows.abs().max(), (native_rows - python_rows).abs()
+    assert diff.max() < 2e-3 * scale and diff.mean() < 1e-4 * scale  # measured: 1e-3 and 2e-5

@@ -7,18 +7,23 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
+from unittest import mock
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import powerinfer.ops.linear as linear_module
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops.linear import (
     ConcatLinear,
     DenseLinear,
     Int4Linear,
+    QuantLinear,
     _pack_nibbles_avx512,
     _pack_nibbles_reference,
     build_linear,
     mapped_tensor,
+    quant_kernel,
 )
 from powerinfer.ops.quant import dequantize_rows
 
@@ -56,23 +61,27 @@ def test_fast_int4_packing_equals_torch_packing():
     blocks=st.integers(1, 6),
     tokens=st.integers(1, 9),
     seed=st.integers(0, 2**16),
+    torch_kernel=st.booleans(),
 )
-def test_linear_matches_dequantized_reference(ggml_type, rows, blocks, tokens, seed):
+def test_linear_matches_dequantized_reference(ggml_type, rows, blocks, tokens, seed, torch_kernel):
+    """Either kernel for quantized weights: ours (QuantLinear) where built, torch's int4 kernel elsewhere."""
     cols = 32 * blocks
     raw = encoded(random_matrix(rows, cols, seed), ggml_type)
     weight = torch.from_numpy(quants.dequantize(raw, ggml_type).astype(np.float32))
-    layer = build_linear([GGUFTensor("w", ggml_type, (rows, cols), raw)])
+    with mock.patch.object(linear_module, "quant_kernel", (lambda: None) if torch_kernel else quant_kernel):
+        layer = build_linear([GGUFTensor("w", ggml_type, (rows, cols), raw)])
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(seed))
     expected = x @ weight.T
     got = layer(x).float()
     assert got.shape == (tokens, rows)
     # Rounding error is relative to the sum of |x_i * w_i|, not to the (possibly cancelling) result.
     magnitude = x.abs() @ weight.abs().T
-    # float16 rounds inputs and outputs to 11 bits; the int4 kernel rounds activations, scales and
-    # outputs to bfloat16 (8 bits).
+    # float16 rounds inputs and outputs to 11 bits; both quantized kernels round activations to
+    # bfloat16 (8 bits), torch's int4 kernel its scales and outputs too.
     relative = {T.F32: 1e-5, T.F16: 2e-3}.get(ggml_type, 1e-2)
     assert torch.all((got - expected).abs() <= relative * magnitude + 1e-5)
-    assert isinstance(layer, Int4Linear) == (ggml_type not in (T.F32, T.F16))
+    quantized_class = Int4Linear if torch_kernel or quant_kernel() is None else QuantLinear
+    assert isinstance(layer, quantized_class) == (ggml_type not in (T.F32, T.F16))
 
 
 def test_fused_linear_of_mixed_types_concatenates_outputs():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -23,7 +24,9 @@ from hypothesis import strategies as st
 from powerinfer.commands.serve import listen
 from powerinfer.errors import PowerInferError
 from powerinfer.runtime.engine import Engine
+from powerinfer.runtime.scheduler import Event, Request, Scheduler
 from powerinfer.server.app import create_app
+from powerinfer.server.generation import Mailbox
 
 PARALLEL = 4
 PROMPTS = [f"{subject} is" for subject in (
@@ -180,6 +183,71 @@ def test_metrics(server, client, model_id):
 
 
 # ---------------------------------------------------------------- batching
+
+
+def test_mailbox_wakes_the_loop_once_per_batch_and_keeps_order():
+    async def scenario() -> tuple[list, int]:
+        loop = asyncio.get_running_loop()
+        wake_ups = 0
+        original = loop.call_soon_threadsafe
+
+        def counting(callback, *args):
+            nonlocal wake_ups
+            wake_ups += 1
+            return original(callback, *args)
+
+        loop.call_soon_threadsafe = counting
+        box, queues = Mailbox.of(loop), [asyncio.Queue(), asyncio.Queue()]
+
+        def step() -> None:
+            for i in range(10):
+                box.put(queues[i % 2], Event(str(i)))
+            box.wake()
+            box.wake()  # nothing new: no second wake-up
+
+        poster = threading.Thread(target=step)
+        poster.start()
+        poster.join()
+        received = [[(await q.get()).text for _ in range(5)] for q in queues]
+        return received, wake_ups
+
+    received, wake_ups = asyncio.run(scenario())
+    assert received == [["0", "2", "4", "6", "8"], ["1", "3", "5", "7", "9"]]
+    assert wake_ups == 1
+
+
+def test_mailbox_of_a_closed_loop_refuses_events():
+    loop = asyncio.new_event_loop()
+    box = Mailbox.of(loop)
+    loop.close()
+    with pytest.raises(RuntimeError):
+        box.put(asyncio.Queue(), Event("late"))
+
+
+def test_scheduler_flushes_once_per_step_not_per_event(default_llm):
+    """Three requests decoded together, one receiver: their events are flushed once per step."""
+    scheduler = Scheduler(Engine(default_llm.model, 256, n_slots=3))
+    log: list[str] = []
+    finished = threading.Semaphore(0)
+
+    def deliver(event: Event) -> None:
+        log.append("event")
+        if event.final:
+            finished.release()
+
+    def flush() -> None:  # shared, as the server's requests share their event loop's mailbox
+        log.append("flush")
+
+    try:
+        for prompt in PROMPTS[:3]:
+            scheduler.submit(Request(default_llm.new_sequence(prompt, 6, temperature=0), deliver, flush))
+        assert all(finished.acquire(timeout=60) for _ in range(3))
+    finally:
+        scheduler.close()
+    events, flushes = log.count("event"), log.count("flush")
+    # 6 tokens each: at most 3 prefill rounds and 7 decode steps (the requests may join one by one)
+    assert events == 18 and 6 <= flushes <= 10
+    assert log[-1] == "flush"  # nothing left unflushed
 
 
 def test_batched_decode_gives_each_row_its_own_logits_exactly(default_llm):

@@ -11,7 +11,7 @@ from powerinfer.config import ModelConfig
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.base import DecoderLM, layer_progress
-from powerinfer.models.ffn import FFNOptions, build_ffn, dense_device
+from powerinfer.models.ffn import FFNOptions, build_ffn, dense_device, offload_device
 from powerinfer.models.layers import Attention, Embedding, LayerNorm, RotaryEmbedding, observe_ffn, projection_builder
 from powerinfer.ops.linear import CPU
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
@@ -48,13 +48,13 @@ class FalconModel(DecoderLM):
         self.blocks = [self._block(gguf, config, i, rope, options) for i in layer_progress(config.n_layers)]
         self.output_device = dense_device(options, None)
         self.output_norm = LayerNorm.load(gguf, "output_norm", config.norm_eps, self.output_device)
-        self.output = projection_builder(gguf, options.float32, self.output_device)(
+        self.output = projection_builder(gguf, options.float32, offload_device(options, None))(
             "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight")
 
     @staticmethod
     def _block(gguf: GGUFFile, config: ModelConfig, i: int, rope: RotaryEmbedding, options: FFNOptions) -> FalconBlock:
         device = dense_device(options, i)
-        linear = projection_builder(gguf, options.float32, device)
+        linear = projection_builder(gguf, options.float32, offload_device(options, i))
         # attn_qkv holds all Q heads, then all K heads, then all V heads (the converter reorders them)
         attention = Attention(i, linear(f"blk.{i}.attn_qkv.weight"), linear(f"blk.{i}.attn_output.weight"),
                               config.n_head, config.n_head_kv, config.head_dim, rope.to(device))

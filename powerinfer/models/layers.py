@@ -61,9 +61,10 @@ class LayerNorm:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
-def projection_builder(gguf: GGUFFile, float32: bool, device: torch.device = CPU) -> Callable[..., Linear]:
-    """`linear(*weight_names)`: one linear layer on `device` from weight tensors that share their
-    input, plus their biases (`<name>.bias`) when the file has them (a part without one gets zeros)."""
+def projection_builder(gguf: GGUFFile, float32: bool, device: torch.device | None = None) -> Callable[..., Linear]:
+    """`linear(*weight_names)`: one linear layer from weight tensors that share their input, on
+    `device` as `build_linear` places it, plus their biases (`<name>.bias`) when the file has them
+    (a part without one gets zeros)."""
 
     def linear(*names: str) -> Linear:
         tensors = [gguf.tensor(n) for n in names]

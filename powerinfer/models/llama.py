@@ -14,7 +14,7 @@ from powerinfer.models.base import DecoderLM, layer_progress
 from powerinfer.models.ffn import DenseFFN, FFNOptions, build_ffn, dense_device, offload_device
 from powerinfer.models.layers import Attention, Block, Embedding, RMSNorm, RotaryEmbedding, projection_builder
 from powerinfer.ops import native
-from powerinfer.ops.linear import CPU, Int4Linear, mapped_tensor
+from powerinfer.ops.linear import CPU, Int4Linear, Linear, QuantLinear, mapped_tensor
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
 
 NATIVE_ACTIVATIONS = {FFNActivation.RELU_GATED: 0, FFNActivation.SILU_GATED: 1, FFNActivation.GELU_GATED: 2,
@@ -69,16 +69,23 @@ class LlamaBlock(Block):
         ops = native.load()
         a = self.attention
         projections = [a.qkv, a.output] + ([self.ffn.up, self.ffn.down] if isinstance(self.ffn, DenseFFN) else [])
-        if ops is None or not a.rope.interleaved or not all(isinstance(p, Int4Linear) for p in projections):
+        if ops is None or not a.rope.interleaved or not all(isinstance(p, (Int4Linear, QuantLinear)) for p in projections):
             return None
-        project = lambda p: ops.Int4Projection(p.packed, p.scale_zero, p.out_features, p.input_repeats)  # noqa: E731
+        project = lambda p: _native_projection(ops, p)  # noqa: E731
         dense = isinstance(self.ffn, DenseFFN)
         return ops.LlamaBlockStep(
             self.attn_norm.scaled_weight, self.attn_norm.eps_term, project(a.qkv), project(a.output),
-            a.n_head, a.n_head_kv, a.head_dim, self.ffn_norm.scaled_weight, self.ffn_norm.eps_term,
+            a.n_head, a.n_head_kv, self.ffn_norm.scaled_weight, self.ffn_norm.eps_term,
             project(self.ffn.up) if dense else None, project(self.ffn.down) if dense else None,
             NATIVE_ACTIVATIONS[self.ffn.activation],
         )
+
+
+def _native_projection(ops, linear: Linear):
+    """The C++ step's handle on a quantized linear layer (same kernel as its Python call)."""
+    if isinstance(linear, QuantLinear):
+        return ops.QuantProjection(linear.weight, linear.scales, linear.out_features)
+    return ops.Int4Projection(linear.packed, linear.scale_zero, linear.out_features, linear.input_repeats)
 
 
 class LlamaModel(DecoderLM):
@@ -96,14 +103,14 @@ class LlamaModel(DecoderLM):
         self.blocks = [self._block(gguf, config, i, rope, options) for i in layer_progress(config.n_layers)]
         self.output_device = dense_device(options, None)
         self.output_norm = _norm(gguf, "output_norm.weight", config.norm_eps, self.output_device)
-        self.output = projection_builder(gguf, options.float32, self.output_device)(
+        self.output = projection_builder(gguf, options.float32, offload_device(options, None))(
             "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight")
 
     @staticmethod
     def _block(gguf: GGUFFile, config: ModelConfig, i: int, rope: RotaryEmbedding, options: FFNOptions) -> LlamaBlock:
         offload = offload_device(options, i)
         device = CPU if offload is None else offload
-        linear = projection_builder(gguf, options.float32, device)
+        linear = projection_builder(gguf, options.float32, offload)
         t = lambda name: f"blk.{i}.{name}.weight"  # noqa: E731
         attention = Attention(
             i, linear(t("attn_q"), t("attn_k"), t("attn_v")), linear(t("attn_output")),

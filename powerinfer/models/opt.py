@@ -11,7 +11,7 @@ from powerinfer.config import OPT_POSITION_OFFSET, ModelConfig
 from powerinfer.errors import PowerInferError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.base import DecoderLM, layer_progress
-from powerinfer.models.ffn import FFNOptions, build_ffn, dense_device
+from powerinfer.models.ffn import FFNOptions, build_ffn, dense_device, offload_device
 from powerinfer.models.layers import Attention, Block, Embedding, LayerNorm, projection_builder
 from powerinfer.runtime.kv_cache import SeqSpan
 
@@ -26,13 +26,13 @@ class OPTModel(DecoderLM):
         self.blocks = [self._block(gguf, config, i, options) for i in layer_progress(config.n_layers)]
         self.output_device = dense_device(options, None)
         self.output_norm = LayerNorm.load(gguf, "output_norm", config.norm_eps, self.output_device)
-        self.output = projection_builder(gguf, options.float32, self.output_device)(
+        self.output = projection_builder(gguf, options.float32, offload_device(options, None))(
             "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight")
 
     @staticmethod
     def _block(gguf: GGUFFile, config: ModelConfig, i: int, options: FFNOptions) -> Block:
         device = dense_device(options, i)
-        linear = projection_builder(gguf, options.float32, device)
+        linear = projection_builder(gguf, options.float32, offload_device(options, i))
         t = lambda name: f"blk.{i}.{name}.weight"  # noqa: E731
         attention = Attention(i, linear(t("attn_q"), t("attn_k"), t("attn_v")), linear(t("attn_output")),
                               config.n_head, config.n_head_kv, config.head_dim, rope=None)

@@ -25,7 +25,7 @@ def load() -> ModuleType | None:
 
         return build(
             name="powerinfer_native",
-            sources=[str(SOURCES / "neuron_kernels.cpp"), str(SOURCES / "decode_step.cpp")],
+            sources=[str(SOURCES / name) for name in ("neuron_kernels.cpp", "decode_step.cpp", "quant_matmul.cpp", "attention.cpp")],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

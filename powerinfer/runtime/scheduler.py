@@ -3,7 +3,9 @@
 Each loop turn prefills the requests that found a free slot, then runs one batched decode step for
 every active sequence. Requests beyond the engine's slots wait in a queue. Results go back through
 each request's `deliver` callback, called on the worker thread (the server hands them to its event
-loop), so the callback must be quick and must not block.
+loop), so the callback must be quick and must not block. A request may also have a `flush`
+callback, called once after each round of prefills and each decode step that delivered it
+events: the server queues a step's events and wakes its event loop once for all of them.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ class Event:
 class Request:
     """A sequence to generate and where its events go. `cancel` may be called from any thread."""
 
-    def __init__(self, sequence: GenerationSequence, deliver: Callable[[Event], None]):
+    def __init__(self, sequence: GenerationSequence, deliver: Callable[[Event], None],
+                 flush: Callable[[], None] | None = None):
         self.sequence = sequence
-        self.deliver = deliver
+        self.deliver, self.flush = deliver, flush
         self.cancelled = False
 
 
@@ -68,6 +71,7 @@ class Scheduler:
         self._stopping = False
         self._stats = Stats()
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent decode steps
+        self._unflushed: set[Callable[[], None]] = set()  # flush callbacks owed; touched by the worker only
         self._thread = threading.Thread(target=self._loop, name="powerinfer-scheduler", daemon=True)
         self._thread.start()
 
@@ -118,10 +122,13 @@ class Scheduler:
                 admitted = self._admit()
             for slot, request in admitted:
                 self._prefill(slot, request)
+            self._flush()
             self._drop_cancelled()
             if self._active:
                 self._decode_step()
+                self._flush()
         self._fail_all(PowerInferError("the server is shutting down"))
+        self._flush()
 
     def _admit(self) -> list[tuple[int, Request]]:
         """Waiting requests moved into free slots, lowest slot first (caller holds the lock)."""
@@ -210,12 +217,22 @@ class Scheduler:
         for request in waiting:
             self._send(request, Event(error=error))
 
-    @staticmethod
-    def _send(request: Request, event: Event) -> None:
+    def _send(self, request: Request, event: Event) -> None:
         try:
             request.deliver(event)
         except Exception:  # noqa: BLE001 - the receiver is gone (its event loop closed)
             request.cancelled = True
+            return
+        if request.flush is not None:
+            self._unflushed.add(request.flush)
+
+    def _flush(self) -> None:
+        flushes, self._unflushed = self._unflushed, set()
+        for flush in flushes:
+            try:
+                flush()
+            except Exception:  # noqa: BLE001 - receivers gone: their next deliver fails and cancels them
+                pass
 
     def _drop_cancelled(self) -> None:
         for slot in [s for s, r in self._active.items() if r.cancelled]:

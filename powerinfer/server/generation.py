@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import weakref
+from collections import deque
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request as HTTPRequest
@@ -19,13 +22,55 @@ class ClientGone(Exception):
     """The client of a non-streaming request disconnected before the answer was ready."""
 
 
+class Mailbox:
+    """Events from the scheduler's thread for the queues of one event loop: the scheduler puts a
+    decode step's events (one per row), then wakes the loop once for all of them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: deque[tuple[asyncio.Queue[Event], Event]] = deque()
+        self.waking = False  # a hand-over is scheduled on the loop
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "Mailbox":
+        box = _MAILBOXES.get(loop)
+        if box is None:
+            box = _MAILBOXES[loop] = cls(loop)
+        return box
+
+    def put(self, queue: asyncio.Queue[Event], event: Event) -> None:
+        """Called from any thread; raises RuntimeError once the loop is closed (the receiver is gone)."""
+        if self.loop.is_closed():
+            raise RuntimeError("the event loop is closed")
+        with self.lock:
+            self.pending.append((queue, event))
+
+    def wake(self) -> None:
+        """Hand what is pending to the queues, on the loop (called from any thread)."""
+        with self.lock:
+            if not self.pending or self.waking:
+                return
+            self.waking = True
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self.lock:
+            ready, self.pending, self.waking = self.pending, deque(), False
+        for queue, event in ready:
+            queue.put_nowait(event)
+
+
+_MAILBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
+
+
 class Generation:
     """Runs `sequence` on the scheduler; events arrive on this event loop's queue."""
 
     def __init__(self, scheduler: Scheduler, sequence: GenerationSequence):
-        loop = asyncio.get_running_loop()
+        mailbox = Mailbox.of(asyncio.get_running_loop())
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.request = Request(sequence, lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event))
+        self.request = Request(sequence, lambda event: mailbox.put(self.queue, event), mailbox.wake)
         self.scheduler = scheduler
         self.sequence = sequence
 

@@ -418,10 +418,14 @@ torch::Tensor sparse_ffn(torch::Tensor rec, std::vector<int64_t> gate_section, s
   return n_tasks == 1 ? partial[0] : partial.sum(0);
 }
 
-void register_decode_step(pybind11::module& m);  // decode_step.cpp
+void register_decode_step(pybind11::module& m);   // decode_step.cpp
+void register_quant_matmul(pybind11::module& m);  // quant_matmul.cpp
+void register_attention(pybind11::module& m);     // attention.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   register_decode_step(mod);
+  register_quant_matmul(mod);
+  register_attention(mod);
   mod.def("gather_matvec", &gather_matvec, "y[m, j] = dot(section of record idx[j], x[m])");
   mod.def("accumulate_rows", &accumulate_rows, "y[m] = sum_j a[m, j] * section of record idx[j]");
   mod.def("sparse_ffn", &sparse_ffn, "y[m] = sum_j act(gate_j . x[m], up_j . x[m]) * down_j over records idx");

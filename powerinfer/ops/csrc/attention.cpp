@@ -1,0 +1,195 @@
+// Attention for one new token of each of several sequences (decoding), on raw cache pointers.
+//
+// torch's scaled_dot_product_attention costs 10-25 us per call on CPU however small the problem;
+// a decode step called it for every row and layer. Here a step's rows go in one call: RoPE on the
+// q and k heads, k and v stored in each row's cache slot, then softmax(q K^T / sqrt(hd)) V for each
+// (row, q head), spread over the threads. Grouped KV heads: q head h reads KV head h / (n_head / n_kv).
+// Each (row, head) is computed the same way whichever rows share the call, so a row gets the same
+// bits alone or batched. Reference: Attention in powerinfer/models/layers.py (tests/test_models.py).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t SERIAL_KEYS = 2048;  // below this many (head, key) pairs a call stays on one thread
+
+#if defined(__AVX512F__)
+// exp(x) for x <= 0 (scores minus their maximum): 2^n * exp(r), |r| <= ln(2)/2, degree-7 Taylor
+// polynomial (relative error below 1e-8 before float32 rounding).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // exp underflows to 0 below
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts (Cody-Waite)
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// p[j] = exp(p[j] - max) for j < n; returns their sum.
+float softmax_numerators(float* p, int64_t n) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) top = std::max(top, p[j]);
+  float sum = 0.0f;
+#if defined(__AVX512F__)
+  __m512 total = _mm512_setzero_ps();
+  const __m512 shift = _mm512_set1_ps(top);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 mask = n - j >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, p + j), shift));
+    _mm512_mask_storeu_ps(p + j, mask, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
+  }
+  sum = _mm512_reduce_add_ps(total);
+#else
+  for (int64_t j = 0; j < n; ++j) sum += p[j] = std::exp(p[j] - top);
+#endif
+  return sum;
+}
+
+#if defined(__AVX512F__)
+// Lane i of the result: the sum of the lanes of v[i] (16 dot products finished at once).
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xdd));
+}
+
+constexpr int64_t MAX_CHUNKS = 8;  // head_dim up to 128 in registers
+
+// p[j] = q . K[j] * scale for j < n, head_dim = 16 * chunks.
+void scores(const float* q, const float* K, int64_t n, int64_t chunks, float scale, float* p) {
+  const int64_t hd = 16 * chunks;
+  __m512 qv[MAX_CHUNKS];
+  for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  auto dot = [&](const float* k) {
+    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+    for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), acc);
+    return acc;
+  };
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m512 v[16];
+    for (int i = 0; i < 16; ++i) v[i] = dot(K + (j + i) * hd);
+    _mm512_storeu_ps(p + j, _mm512_mul_ps(sum_lanes16(v), _mm512_set1_ps(scale)));
+  }
+  for (; j < n; ++j) p[j] = _mm512_reduce_add_ps(dot(K + j * hd)) * scale;
+}
+
+// out = sum_j p[j] V[j] * inverse, head_dim = 16 * chunks.
+void weighted_values(const float* p, const float* V, int64_t n, int64_t chunks, float inverse, float* out) {
+  __m512 acc[MAX_CHUNKS];
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 w = _mm512_set1_ps(p[j]);
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(V + j * 16 * chunks + 16 * c), acc[c]);
+  }
+  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inverse)));
+}
+#endif
+
+// out[hd] = softmax(q . K[j] * scale) V over keys j < n; K, V: rows of hd floats; p: n floats of scratch.
+void attend_head(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p,
+                 float* out) {
+#if defined(__AVX512F__)
+  if (hd % 16 == 0 && hd / 16 <= MAX_CHUNKS) {
+    scores(q, K, n, hd / 16, scale, p);
+    weighted_values(p, V, n, hd / 16, 1.0f / softmax_numerators(p, n), out);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    float dot = 0.0f;
+    for (int64_t d = 0; d < hd; ++d) dot += q[d] * K[j * hd + d];
+    p[j] = dot * scale;
+  }
+  const float inverse = 1.0f / softmax_numerators(p, n);
+  std::fill(out, out + hd, 0.0f);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < hd; ++d) out[d] += p[j] * V[j * hd + d];
+  for (int64_t d = 0; d < hd; ++d) out[d] *= inverse;
+}
+
+// x (pairs of floats) *= rotation (cos, sin pairs), as complex numbers, for `pairs` pairs.
+void rotate(float* x, const float* rotation, int64_t pairs) {
+  for (int64_t i = 0; i < pairs; ++i) {
+    const float re = x[2 * i], im = x[2 * i + 1], c = rotation[2 * i], s = rotation[2 * i + 1];
+    x[2 * i] = re * c - im * s;
+    x[2 * i + 1] = re * s + im * c;
+  }
+}
+
+}  // namespace
+
+// qkv: float32 [rows, (n_head + 2 n_kv) * hd], q heads then k heads then v heads (rotated in place);
+// keys, values: float32 [slots, n_kv, n_ctx, hd]; rotations: complex64 with rows * hd/2 elements
+// (each row's position). Returns float32 [rows, n_head * hd].
+torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor keys, torch::Tensor values,
+                               const std::vector<int64_t>& slots, const std::vector<int64_t>& positions,
+                               torch::Tensor rotations, int64_t n_head, int64_t n_kv) {
+  const int64_t rows = qkv.size(0), hd = keys.size(3), n_ctx = keys.size(2);
+  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (n_head + 2 * n_kv) * hd,
+              "qkv must be contiguous float32 [rows, (n_head + 2 n_kv) * head_dim]");
+  for (const auto& cache : {keys, values})
+    TORCH_CHECK(cache.dtype() == torch::kFloat32 && cache.dim() == 4 && cache.size(1) == n_kv && cache.stride(3) == 1 &&
+                    cache.stride(2) == hd && cache.stride(1) == n_ctx * hd && cache.sizes() == keys.sizes(),
+                "caches must be float32 [slots, n_kv, n_ctx, head_dim] with contiguous slots");
+  TORCH_CHECK(n_head % n_kv == 0 && hd % 2 == 0, "n_head must be a multiple of n_kv, head_dim even");
+  TORCH_CHECK(static_cast<int64_t>(slots.size()) == rows && static_cast<int64_t>(positions.size()) == rows,
+              "one slot and one position per row");
+  TORCH_CHECK(rotations.dtype() == torch::kComplexFloat && rotations.numel() == rows * hd / 2, "rotations: complex64, hd/2 per row");
+  const auto rot = torch::view_as_real(rotations.contiguous()).contiguous();
+  const float* rp = rot.data_ptr<float>();
+  float* q = qkv.data_ptr<float>();
+  float* kc = keys.data_ptr<float>();
+  float* vc = values.data_ptr<float>();
+  const int64_t width = qkv.size(1), group = n_head / n_kv;
+  int64_t work = 0;
+  for (int64_t b = 0; b < rows; ++b) {
+    TORCH_CHECK(slots[b] >= 0 && slots[b] < keys.size(0) && positions[b] >= 0 && positions[b] < n_ctx, "slot or position out of range");
+    float* row = q + b * width;
+    for (int64_t h = 0; h < n_head + n_kv; ++h) rotate(row + h * hd, rp + b * hd, hd / 2);
+    for (int64_t g = 0; g < n_kv; ++g) {
+      const int64_t at = g * n_ctx * hd + positions[b] * hd;
+      std::copy_n(row + (n_head + g) * hd, hd, kc + slots[b] * keys.stride(0) + at);
+      std::copy_n(row + (n_head + n_kv + g) * hd, hd, vc + slots[b] * values.stride(0) + at);
+    }
+    work += n_head * (positions[b] + 1);
+  }
+  auto out = torch::empty({rows, n_head * hd}, qkv.options());
+  float* o = out.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int64_t tasks = rows * n_head;
+  at::parallel_for(0, tasks, work < SERIAL_KEYS ? tasks : 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / n_head, h = t % n_head, n = positions[b] + 1;
+      const int64_t kv = (h / group) * n_ctx * hd;
+      p.resize(n);
+      attend_head(q + b * width + h * hd, kc + slots[b] * keys.stride(0) + kv, vc + slots[b] * values.stride(0) + kv, n, hd,
+                  scale, p.data(), o + b * n_head * hd + h * hd);
+    }
+  });
+  return out;
+}
+
+void register_attention(pybind11::module& m) {
+  m.def("decode_attention", &decode_attention, "one new token per row: RoPE, store k/v, attend over each row's cache slot",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+}
