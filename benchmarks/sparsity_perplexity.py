@@ -9,6 +9,8 @@ Rows, in one run on the same file and chunks:
 
     .venv/bin/python benchmarks/sparsity_perplexity.py --predicted 0.5=/path/model.pwri.gguf [--chunks N]
 
+The llama.cpp row installs llama-cpp-python (the version compare_engines.py pins) if it is missing.
+
 A whole-file run takes a while; with `--cache DIR` each row is kept once measured, so rows can be
 measured in parts (`--only llama.cpp`) and the table assembled by a last run.
 
@@ -28,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from compare_engines import ensure_llama_cpp
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,6 +130,8 @@ def main() -> int:
     wanted = set(args.only.split(",")) if args.only else {"dense", "llama.cpp", "oracle", "predicted"}
     if args.no_llama_cpp:
         wanted.discard("llama.cpp")
+    if "llama.cpp" in wanted:
+        ensure_llama_cpp()
 
     def measure(kind: str, label: str, logits_of: Callable[[], Callable]) -> Measured | None:
         if kind not in wanted:

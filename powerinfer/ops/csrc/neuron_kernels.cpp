@@ -387,6 +387,7 @@ torch::Tensor sparse_ffn(torch::Tensor rec, std::vector<int64_t> gate_section, s
   const Section up = make_section(up_section, r.stride), down = make_section(down_section, r.stride);
   const Section gate = gated ? make_section(gate_section, r.stride) : up;
   TORCH_CHECK(gate.n_values == up.n_values, "gate and up rows differ in length");
+  const bool relu_gate = gated && (activation == RELU || activation == DRELU);
   const auto xs = quantize_rows(x, up.n_values);
   const int64_t M = x.size(0), n = idx.size(0), dim = down.n_values;
   const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n + 31) / 32));
@@ -403,6 +404,7 @@ torch::Tensor sparse_ffn(torch::Tensor rec, std::vector<int64_t> gate_section, s
         if (m == 0 && j + PREFETCH_AHEAD < j1) prefetch(r.row(ids[j + PREFETCH_AHEAD]), r.stride);  // a whole neuron
         const uint8_t* neuron = r.row(ids[j]);
         const float g = gated ? dot(neuron, gate, xs[m]) : 0.0f;
+        if (relu_gate && !(g > 0.0f)) continue;  // relu(gate) = 0: off whatever up is; skip the up dot
         const float a = activate(activation, gated, g, dot(neuron, up, xs[m]));
         if (a == 0.0f) continue;
         pending[n_pending] = neuron;
