@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("-o", "--output", required=True, help="predictor directory to write (model_{i}.pt, config.json)")
     train.add_argument("--recall", type=unit_interval, default=0.99, help="recall target per layer (default: 0.99)")
     train.add_argument("--ranks", type=rank_list, default=(32, 64, 128, 256, 512),
-                       help="candidate predictor ranks; the smallest that keeps near-best sparsity wins (default: 32,64,128,256,512)")
+                       help="candidate predictor ranks, tried from the smallest up until a larger one gains under 2 points of sparsity (default: 32,64,128,256,512)")
     train.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps per fit (default: 1000)")
 
     convert = commands.add_parser("convert", help="Hugging Face folder or GGUF -> GGUF (PowerInfer GGUF with predictors)")

@@ -8,8 +8,9 @@ ours learns from the model's own activations over calibration text:
 - tokens are split into train / calibration / held-out parts (by chunk, in that order);
 - per layer and candidate rank R a predictor is fitted with binary
   cross-entropy; inputs are scaled per dimension while training and the scale is folded into fc1;
-- the score threshold is the one that reaches the recall target (with a margin) on the calibration part; the chosen
-  R is the smallest whose predicted sparsity comes within `rank_tolerance` of the largest rank's;
+- the score threshold is the one that reaches the recall target (with a margin) on the calibration part; ranks
+  are tried from the smallest up, and the search stops at the first R whose next candidate gains less than
+  `rank_tolerance` of predicted sparsity (large ranks cost the most to fit, so they are fitted only when they pay);
 - recall, precision and sparsity are reported on the held-out part, which nothing was fitted to.
 """
 
@@ -40,7 +41,7 @@ CONFIG_FILE = "config.json"
 class TrainingOptions:
     recall: float = 0.99
     ranks: tuple[int, ...] = (32, 64, 128, 256, 512)  # capped at n_ff
-    rank_tolerance: float = 0.02  # a smaller rank may lose this much predicted sparsity
+    rank_tolerance: float = 0.02  # a larger rank must gain at least this much predicted sparsity
     steps: int = 1000
     batch: int = 1024
     learning_rate: float = 1e-2
@@ -166,8 +167,8 @@ def _evaluate(predictor: TrainedPredictor, x: torch.Tensor, fired: torch.Tensor)
 
 
 def train_layer(layer: int, data: LayerData, options: TrainingOptions) -> tuple[TrainedPredictor, LayerReport]:
-    """Fit the largest rank, then smaller ones from the smallest up; keep the first whose predicted
-    sparsity (at the recall target, on the calibration part) is within `rank_tolerance` of the largest's."""
+    """Fit ranks from the smallest up and keep the first whose next candidate gains less than
+    `rank_tolerance` of predicted sparsity (at the recall target, on the calibration part)."""
     (x_train, x_calibration, x_held_out), (y_train, y_calibration, y_held_out) = data.inputs, data.fired
     ranks = sorted({min(r, y_train.shape[1]) for r in options.ranks})
 
@@ -177,12 +178,12 @@ def train_layer(layer: int, data: LayerData, options: TrainingOptions) -> tuple[
         predictor = TrainedPredictor(fc1, fc2, threshold)
         return _evaluate(predictor, x_calibration, y_calibration)[3], predictor
 
-    best_sparsity, chosen = fitted(ranks[-1])
-    for rank in ranks[:-1]:
-        sparsity, predictor = fitted(rank)
-        if sparsity >= best_sparsity - options.rank_tolerance:
-            chosen = predictor
+    sparsity, chosen = fitted(ranks[0])
+    for rank in ranks[1:]:
+        larger_sparsity, larger = fitted(rank)
+        if larger_sparsity < sparsity + options.rank_tolerance:
             break
+        sparsity, chosen = larger_sparsity, larger
     recall, precision, true_sparsity, predicted_sparsity = _evaluate(chosen, x_held_out, y_held_out)
     report = LayerReport(layer, chosen.fc1.shape[0], chosen.threshold, recall, precision, true_sparsity,
                          predicted_sparsity)
