@@ -10,6 +10,7 @@ import pytest
 import torch
 from gguf import GGUFReader, GGUFValueType
 
+from powerinfer.config import ACTIVATION_KEY, FFNActivation, ModelConfig
 from powerinfer.convert.encode import parse_outtype
 from powerinfer.convert.hf import hf_source
 from powerinfer.convert.model import gguf_source, write_model
@@ -119,6 +120,23 @@ def test_powerinfer_gguf_round_trips(trained, tmp_path):
     for x, y in zip(a.tensors, b.tensors, strict=True):
         assert (x.name, x.tensor_type) == (y.name, y.tensor_type)
         np.testing.assert_array_equal(np.asarray(x.data), np.asarray(y.data))
+
+
+def test_powerinfer_gguf_from_a_gguf_keeps_its_activation(trained, tmp_path, ids):
+    """A llama GGUF without the activation key (llama.cpp's files) is SiLU-gated; written as a
+    PowerInfer GGUF, which alone would read as ReLU-Llama, it must stay what it was."""
+    _, _, ggufs, out, _ = trained
+    source = gguf_source(ggufs["q4_0"])
+    source.typed_metadata.pop(ACTIVATION_KEY)
+    plain, pwri = tmp_path / "plain.gguf", tmp_path / "model.powerinfer.gguf"
+    write_model(source, plain, None, progress=False)
+    assert open_gguf(plain).get(ACTIVATION_KEY) is None
+    write_model(gguf_source(plain), pwri, None, load_predictors(out), progress=False)
+    assert ModelConfig.from_gguf(open_gguf(plain)).activation == FFNActivation.SILU_GATED
+    assert ModelConfig.from_gguf(open_gguf(pwri)).activation == FFNActivation.SILU_GATED
+    dense = decode_logits(engine(plain, sparsity="off"), ids)
+    records = decode_logits(engine(pwri, sparsity="off"), ids)  # neuron records: down re-encoded as Q8_0
+    assert (records - dense).norm() / dense.norm() < 0.1  # a wrong activation gives ~1
 
 
 def test_sparse_modes_on_powerinfer_gguf(trained, tmp_path, ids):

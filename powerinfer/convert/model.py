@@ -22,6 +22,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, quants
 from tqdm import tqdm
 
+from powerinfer.config import ACTIVATION_KEY, ModelConfig
 from powerinfer.convert.encode import FILE_TYPES, encode_tensor
 from powerinfer.gguf.reader import GGUFTensor, open_gguf, tolerant_reader
 from powerinfer.gguf.writer import TensorData, write_gguf
@@ -64,7 +65,10 @@ def gguf_source(path: str | Path) -> ModelSource:
         sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
         typed[name] = (field.contents(), field.types[0], sub_type)
     arch = gguf.require("general.architecture")
-    return ModelSource(gguf.path, arch, {}, typed, iter(gguf.tensors.items()),
+    # The activation as this file implies it, stored explicitly: a llama GGUF without the key is
+    # SiLU, but a PowerInfer GGUF without it would read as ReLU-Llama.
+    metadata = {} if ACTIVATION_KEY in typed else {ACTIVATION_KEY: ModelConfig.from_gguf(gguf).activation.value}
+    return ModelSource(gguf.path, arch, metadata, typed, iter(gguf.tensors.items()),
                        *(int(gguf.require(f"{arch}.{k}")) for k in ("block_count", "embedding_length", "feed_forward_length")),
                        has_predictors="blk.0.fc1.weight" in gguf.tensors)
 
