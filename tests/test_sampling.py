@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from powerinfer.errors import PowerInferError
@@ -71,6 +71,7 @@ def test_bad_parameters_are_rejected(bad):
     stops=st.lists(st.text(alphabet="abcXY\n", min_size=1, max_size=4), max_size=3),
     cuts=st.lists(st.integers(0, 40), max_size=8),
 )
+@example(text="YXX", stops=["X", "YXX"], cuts=[2])  # a later-found stop that an earlier one overtakes
 def test_stop_matcher_cuts_at_first_stop_however_text_arrives(text, stops, cuts):
     pieces, last = [], 0
     for cut in sorted(cuts) + [len(text)]:

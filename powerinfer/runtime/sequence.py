@@ -26,20 +26,33 @@ class StopMatcher:
     def push(self, text: str) -> str:
         """Add generated text; return what is safe to show now."""
         self.pending += text
-        if not self.stops:
-            out, self.pending = self.pending, ""
-            return out
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending, self.stopped = self.pending[: min(hits)], "", True
-            return out
-        hold = max((n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
-        cut = len(self.pending) - hold
-        out, self.pending = self.pending[:cut], self.pending[cut:]
+        first, open_start = self._first_stop(), self._open_start()
+        if first is not None and first <= open_start:
+            return self._stop_at(first)
+        # Either no stop yet, or one that a longer stop starting earlier may still overtake.
+        out, self.pending = self.pending[:open_start], self.pending[open_start:]
         return out
 
     def flush(self) -> str:
+        """The text held back, at the end of generation (cut at a stop it holds)."""
+        first = self._first_stop()
+        if first is not None:
+            return self._stop_at(first)
         out, self.pending = self.pending, ""
+        return out
+
+    def _first_stop(self) -> int | None:
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _open_start(self) -> int:
+        """Where the earliest stop that more text could still complete would begin (the end of the
+        pending text when none could)."""
+        return min((len(self.pending) - n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])),
+                   default=len(self.pending))
+
+    def _stop_at(self, index: int) -> str:
+        out, self.pending, self.stopped = self.pending[:index], "", True
         return out
 
 
