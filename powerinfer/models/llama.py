@@ -108,8 +108,7 @@ class LlamaModel(DecoderLM):
 
     @staticmethod
     def _block(gguf: GGUFFile, config: ModelConfig, i: int, rope: RotaryEmbedding, options: FFNOptions) -> LlamaBlock:
-        offload = offload_device(options, i)
-        device = CPU if offload is None else offload
+        offload, device = offload_device(options, i), dense_device(options, i)
         linear = projection_builder(gguf, options.float32, offload)
         t = lambda name: f"blk.{i}.{name}.weight"  # noqa: E731
         attention = Attention(
