@@ -164,10 +164,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of `text`, special tokens parsed; BOS first when `add_bos` and the model wants it."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_bos and self.add_bos:
-            ids = [self.bos_id, *ids]
-        return ids
+        return self.encode_batch([text], add_bos)[0]  # encode_batch releases the GIL; encode holds it
 
     def encode_batch(self, texts: Sequence[str], add_bos: bool = True) -> list[list[int]]:
         prefix = [self.bos_id] if add_bos and self.add_bos else []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -88,3 +90,19 @@ def test_stop_matcher_cuts_at_first_stop_however_text_arrives(text, stops, cuts)
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     assert out == (text[: min(hits)] if hits else text)
     assert matcher.stopped == bool(hits)
+
+
+def test_stop_matching_is_linear_in_the_text():
+    """A 5 MB stop that the text keeps almost completing (matching that copied every prefix per
+    token froze the server on it): the text is held back, then cut at the short stop."""
+    matcher = StopMatcher(["a" * 5_000_000 + "b", "zz"])
+    result: list[str] = []
+
+    def stream() -> None:
+        out = "".join(matcher.push("a" * 1000) for _ in range(200))
+        result.append(out + matcher.push("zz tail"))
+
+    worker = threading.Thread(target=stream, daemon=True)
+    worker.start()
+    worker.join(timeout=120)  # a hang detector, not a timing: the quadratic matcher never returns
+    assert result == ["a" * 200_000] and matcher.stopped

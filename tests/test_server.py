@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -26,9 +27,11 @@ from powerinfer.errors import PowerInferError
 from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.scheduler import Event, Request, Scheduler
 from powerinfer.server.app import create_app
+from powerinfer.server.gate import LOOPBACK_HOSTS
 from powerinfer.server.generation import Mailbox
 
 PARALLEL = 4
+JSON_HEADERS = {"Content-Type": "application/json"}
 PROMPTS = [f"{subject} is" for subject in (
     "The capital of France", "Water", "A good breakfast", "The tallest mountain", "Python", "The moon",
     "My favourite colour", "The first computer", "A triangle", "Winter", "The ocean", "Music",
@@ -56,7 +59,7 @@ class ServerThread:
 
 @pytest.fixture(scope="module")
 def server(default_llm) -> Iterator[ServerThread]:
-    running = ServerThread(create_app(default_llm, parallel=PARALLEL))
+    running = ServerThread(create_app(default_llm, parallel=PARALLEL, allowed_hosts=LOOPBACK_HOSTS))
     yield running
     running.stop()
 
@@ -331,7 +334,7 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("route, body, param", BAD_REQUESTS)
 def test_bad_requests_get_400(server, route, body, param):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    assert_error(httpx.post(f"{server.url}{route}", content=content), 400, param)
+    assert_error(httpx.post(f"{server.url}{route}", content=content, headers=JSON_HEADERS), 400, param)
 
 
 def test_unknown_model_and_route(server):
@@ -341,12 +344,166 @@ def test_unknown_model_and_route(server):
     assert_error(httpx.get(f"{server.url}/v1/completions"), 405)
 
 
+def test_model_is_named_not_located(server, default_llm, model_id):
+    """The id is the file's name; a request naming the model by its path is refused like any
+    unknown name, so answers never confirm where the file lives."""
+    assert "/" not in model_id and str(default_llm.path.parent) not in httpx.get(f"{server.url}/v1/models").text
+    for name in (str(default_llm.path), str(default_llm.path.with_suffix(""))):
+        error = assert_error(httpx.post(f"{server.url}/v1/completions", json={"model": name, "prompt": "x"}), 404)
+        assert error["message"].count(str(default_llm.path.parent)) == 1  # only the echo of the name sent
+    answer = httpx.post(f"{server.url}/v1/completions", json={"model": default_llm.path.stem, "prompt": "x",
+                                                              "max_tokens": 1}, timeout=60).json()
+    assert answer["model"] == model_id
+
+
 def test_prompt_longer_than_context(server, default_llm):
     prompt = "word " * (default_llm.n_ctx + 10)
     for route, body in [("/v1/completions", {"prompt": prompt}), ("/completion", {"prompt": prompt}),
                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]})]:
         error = assert_error(httpx.post(f"{server.url}{route}", json=body, timeout=60), 400)
         assert error["code"] == "context_length_exceeded"
+
+
+# ---------------------------------------------------------------- hostile requests
+
+
+def test_huge_stop_string_beside_a_normal_request(server, client, model_id, default_llm):
+    """A 5 MB stop string is refused (400 naming `stop`) while another request is answered."""
+    expected = default_llm.generate("Water is", max_tokens=8, temperature=0)
+    with ThreadPoolExecutor(2) as pool:
+        huge = pool.submit(httpx.post, f"{server.url}/v1/completions", timeout=60,
+                           json={"prompt": "Water is", "max_tokens": 64, "stop": ["x" * 5_000_000]})
+        normal = pool.submit(client.completions.create, model=model_id, prompt="Water is", max_tokens=8, temperature=0)
+        assert normal.result(timeout=60).choices[0].text == expected
+        assert_error(huge.result(timeout=60), 400, "stop")
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_body_size_limit(server):
+    """50 MB gets 413 before it is read: declared by Content-Length, or sent chunked."""
+    big = b'{"prompt": "' + b"a" * 50_000_000 + b'"}'
+    assert_error(httpx.post(f"{server.url}/v1/completions", content=big, headers=JSON_HEADERS, timeout=60), 413)
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(50):
+            yield b"a" * 1_000_000
+        yield b'"}'
+
+    try:
+        response = httpx.post(f"{server.url}/v1/completions", content=chunks(), headers=JSON_HEADERS, timeout=60)
+        assert_error(response, 413)
+    except httpx.WriteError:  # the server answered and closed before the client finished sending
+        pass
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_post_bodies_must_be_json(server):
+    """A cross-site page can POST text/plain or a form without a preflight: both are refused."""
+    body = json.dumps({"prompt": "x", "max_tokens": 1})
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"Content-Type": content_type} if content_type else {}
+        assert_error(httpx.post(f"{server.url}/v1/completions", content=body, headers=headers), 415)
+    ok = httpx.post(f"{server.url}/v1/completions", content=body, timeout=60,
+                    headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200
+
+
+def test_foreign_host_is_refused(server):
+    """DNS rebinding: a page on evil.example resolving to 127.0.0.1 sends Host: evil.example."""
+    error = assert_error(httpx.get(f"{server.url}/v1/models", headers={"Host": "evil.example:8080"}), 403)
+    assert "evil.example" in error["message"]
+    port = server.url.rsplit(":", 1)[1]
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST"):
+        assert httpx.get(f"{server.url}/health", headers={"Host": host}).status_code == 200
+
+
+@pytest.mark.parametrize("body", [
+    json.dumps({"prompt": "a\ud800b"}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": "a\udfffb"}]}).encode(),
+    json.dumps({"prompt": "x", "stop": ["\ud800"]}).encode(),
+    b'{"prompt": "a\xff\xfeb"}',  # not UTF-8
+])
+def test_text_that_is_not_unicode_gets_400(server, body):
+    route = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    assert_error(httpx.post(f"{server.url}{route}", content=body, headers=JSON_HEADERS, timeout=60), 400)
+
+
+class StuckDecode:
+    """Makes the engine's decode steps block until released: a stuck scheduler step."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.original, self.release = engine, engine.decode, threading.Event()
+        engine.decode = self
+
+    def __call__(self, steps):
+        self.release.wait(60)
+        return self.original(steps)
+
+
+def test_watchdog_reports_a_stuck_scheduler(default_llm):
+    running = ServerThread(create_app(default_llm, parallel=1, watchdog_seconds=0.5))
+    try:
+        stuck = StuckDecode(scheduler_of(running).engine)
+        assert httpx.get(f"{running.url}/health").status_code == 200
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{running.url}/v1/completions", timeout=60,
+                                 json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+            deadline = time.monotonic() + 30
+            while (health := httpx.get(f"{running.url}/health")).status_code == 200:
+                assert time.monotonic() < deadline, "the watchdog never fired"
+                time.sleep(0.05)
+            assert health.status_code == 503 and health.json() == {"status": "stalled"}
+            stuck.release.set()
+            assert answer.result(timeout=60).status_code == 200
+        assert httpx.get(f"{running.url}/health").status_code == 200
+    finally:
+        running.stop()
+
+
+STUCK_SERVE = """
+import sys, threading
+from powerinfer import cli
+from powerinfer.runtime.engine import Engine
+calls = []
+original = Engine.decode
+def decode(self, steps):
+    calls.append(1)
+    if len(calls) > 2:
+        threading.Event().wait()  # stuck for good
+    return original(self, steps)
+Engine.decode = decode
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_ends_open_streams_and_exits(default_model):
+    """A stream whose scheduler step never ends: SIGTERM gives it an error event and the process
+    exits within seconds (it used to wait for the step forever)."""
+    process = subprocess.Popen([sys.executable, "-c", STUCK_SERVE, "serve", "-m", str(default_model), "--port", "0",
+                                "--parallel", "1", "-c", "256"], stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = re.search(r"listening on (http://\S+)", process.stderr.readline()).group(1)
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{url}/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                          json={"prompt": "Once upon a time", "max_tokens": 100, "stream": True}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:  # generating, and then stuck
+                        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it caught
+        error = json.loads(events[-1])["error"]
+        assert error["type"] == "unavailable_error" and "shutting down" in error["message"]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 JSON = st.recursive(
@@ -397,7 +554,7 @@ ROUTES = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/completio
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @given(route=ROUTES, body=bodies() | JSON)
 def test_fuzzed_bodies_never_fail_the_server(server, route, body):
-    response = httpx.post(f"{server.url}{route}", content=json.dumps(body).encode(), timeout=60)
+    response = httpx.post(f"{server.url}{route}", content=json.dumps(body).encode(), headers=JSON_HEADERS, timeout=60)
     assert response.status_code < 500, response.text
     if response.status_code >= 400:
         assert_error(response, response.status_code)

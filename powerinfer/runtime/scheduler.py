@@ -25,6 +25,7 @@ from powerinfer.runtime.sequence import Completion, GenerationSequence
 
 log = logging.getLogger(__name__)
 RATE_WINDOW_SECONDS = 10.0  # tokens/s is averaged over this window
+CLOSE_WAIT_SECONDS = 2.0  # how long close() waits for a step in progress before giving up on it
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Scheduler:
         self._stats = Stats()
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent decode steps
         self._unflushed: set[Callable[[], None]] = set()  # flush callbacks owed; touched by the worker only
+        self._progress_at = time.monotonic()  # when the worker last finished a step or found nothing to do
         self._thread = threading.Thread(target=self._loop, name="powerinfer-scheduler", daemon=True)
         self._thread.start()
 
@@ -81,6 +83,8 @@ class Scheduler:
         with self._wake:
             if self._stopping:
                 raise PowerInferError("the server is shutting down")
+            if not self._waiting and not self._active:  # an idle worker has not been stuck meanwhile
+                self._progress_at = time.monotonic()
             self._waiting.append(request)
             self._stats.requests += 1
             self._stats.queued = len(self._waiting)
@@ -104,11 +108,25 @@ class Scheduler:
             self._forget_old(time.perf_counter())
             return sum(n for _, n in self._recent) / RATE_WINDOW_SECONDS
 
-    def close(self) -> None:
+    def stalled_seconds(self) -> float:
+        """How long requests have been waiting or running without the worker finishing a step
+        (0 while it has nothing to do): a watchdog's measure of a stuck worker."""
+        with self._wake:
+            if not self._waiting and not self._active:
+                return 0.0
+            return time.monotonic() - self._progress_at
+
+    def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> bool:
+        """Stop the worker: requests still waiting or running fail. Returns False when a step in
+        progress did not end within `timeout` (the thread is a daemon: it dies with the process)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        self._thread.join()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the scheduler's current step did not finish within %.0f s; leaving it", timeout)
+            return False
+        return True
 
     # -- the worker -----------------------------------------------------------------------------
 
@@ -122,10 +140,12 @@ class Scheduler:
                 admitted = self._admit()
             for slot, request in admitted:
                 self._prefill(slot, request)
+                self._progressed()
             self._flush()
             self._drop_cancelled()
             if self._active:
                 self._decode_step()
+                self._progressed()
                 self._flush()
         self._fail_all(PowerInferError("the server is shutting down"))
         self._flush()
@@ -243,6 +263,10 @@ class Scheduler:
         with self._wake:
             del self._active[slot]
             self._stats.active = len(self._active)
+
+    def _progressed(self) -> None:
+        with self._wake:
+            self._progress_at = time.monotonic()
 
     def _count(self, tokens: int) -> None:
         now = time.perf_counter()

@@ -15,44 +15,83 @@ if TYPE_CHECKING:
     from powerinfer.tokenizer import Tokenizer
 
 
+class StopTracker:
+    """Knuth-Morris-Pratt over a stream for one stop string: after each character, how long the
+    longest suffix of the text so far is that is a prefix of the stop. The border table is
+    extended only as far as a match has reached, so a huge stop costs nothing until text matches it."""
+
+    def __init__(self, stop: str):
+        self.stop = stop
+        self.borders = [0, 0]  # borders[k]: longest proper border of stop[:k]
+        self.state = 0
+
+    def _border(self, k: int) -> int:
+        stop, borders = self.stop, self.borders
+        while len(borders) <= k:  # amortized O(1) per entry, as in the classic table construction
+            n, j = len(borders) - 1, borders[-1]
+            while j and stop[j] != stop[n]:
+                j = borders[j]
+            borders.append(j + 1 if stop[j] == stop[n] else 0)
+        return borders[k]
+
+    def feed(self, char: str) -> bool:
+        """Advance by one character; True when the stop has just been completed."""
+        q, stop = self.state, self.stop
+        while q and stop[q] != char:
+            q = self._border(q)
+        if stop[q] == char:
+            q += 1
+        if q == len(stop):
+            self.state = self._border(q)
+            return True
+        self.state = q
+        return False
+
+
 class StopMatcher:
-    """Cuts generated text at the first stop string, holding back text that may start one."""
+    """Cuts generated text at the first stop string, holding back text that may start one.
+
+    A stop found waits while a longer stop that starts earlier may still complete. Each stop's
+    tracker sees every character once, so the work is linear in the text and independent of the
+    stops' lengths (copying prefixes per token made a 5 MB stop freeze the server).
+    """
 
     def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
-        self.pending = ""
+        self.trackers = [StopTracker(s) for s in stops if s]
+        self.pending = ""  # text not shown yet; it starts at stream position `offset`
+        self.offset = self.total = 0
+        self.first_hit: int | None = None  # stream position of the earliest complete stop
         self.stopped = False
 
     def push(self, text: str) -> str:
         """Add generated text; return what is safe to show now."""
         self.pending += text
-        first, open_start = self._first_stop(), self._open_start()
-        if first is not None and first <= open_start:
-            return self._stop_at(first)
+        if self.trackers:
+            for char in text:
+                self.total += 1
+                for tracker in self.trackers:
+                    if tracker.feed(char):
+                        start = self.total - len(tracker.stop)
+                        self.first_hit = start if self.first_hit is None else min(self.first_hit, start)
+        else:
+            self.total += len(text)
+        open_start = min((self.total - t.state for t in self.trackers if t.state), default=self.total)
+        if self.first_hit is not None and self.first_hit <= open_start:
+            return self._stop_at(self.first_hit)
         # Either no stop yet, or one that a longer stop starting earlier may still overtake.
-        out, self.pending = self.pending[:open_start], self.pending[open_start:]
+        cut = open_start - self.offset
+        out, self.pending, self.offset = self.pending[:cut], self.pending[cut:], open_start
         return out
 
     def flush(self) -> str:
         """The text held back, at the end of generation (cut at a stop it holds)."""
-        first = self._first_stop()
-        if first is not None:
-            return self._stop_at(first)
-        out, self.pending = self.pending, ""
+        if self.first_hit is not None:
+            return self._stop_at(self.first_hit)
+        out, self.pending, self.offset = self.pending, "", self.total
         return out
 
-    def _first_stop(self) -> int | None:
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
-
-    def _open_start(self) -> int:
-        """Where the earliest stop that more text could still complete would begin (the end of the
-        pending text when none could)."""
-        return min((len(self.pending) - n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])),
-                   default=len(self.pending))
-
-    def _stop_at(self, index: int) -> str:
-        out, self.pending, self.stopped = self.pending[:index], "", True
+    def _stop_at(self, position: int) -> str:
+        out, self.pending, self.stopped = self.pending[: position - self.offset], "", True
         return out
 
 

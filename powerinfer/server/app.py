@@ -1,21 +1,23 @@
 """The HTTP app: OpenAI-compatible routes, llama.cpp-style routes, health and metrics.
 
 `create_app(llm)` serves a loaded `LLM`; `create_app(factory)` loads one in a background thread at
-startup, answering 503 on /health (and on the model routes) until it is ready.
+startup, answering 503 on /health (and on the model routes) until it is ready. Tokenizing and
+template rendering run in worker threads, so a large prompt never holds up other requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.concurrency import run_in_threadpool
 
 from powerinfer.errors import PowerInferError
 from powerinfer.llm import LLM
@@ -23,23 +25,28 @@ from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.scheduler import Scheduler
 from powerinfer.server import schemas
 from powerinfer.server.errors import APIError, install_handlers
+from powerinfer.server.gate import DEFAULT_MAX_BODY_SIZE, RequestGate
 from powerinfer.server.generation import ClientGone, Generation
 from powerinfer.server.replies import OpenAIReply, llama_final, llama_stream, prometheus
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DEFAULT_WATCHDOG_SECONDS = 120.0  # a prefill of a long prompt on a large model is one step
 
 
 class ServerState:
     """The model and its scheduler once loaded, or why loading failed."""
 
-    def __init__(self, parallel: int):
-        self.parallel = parallel
+    def __init__(self, parallel: int, watchdog_seconds: float):
+        self.parallel, self.watchdog_seconds = parallel, watchdog_seconds
         self.llm: LLM | None = None
         self.scheduler: Scheduler | None = None
-        self.model_id = ""
+        self.model_id = ""  # the file's name: answers never show where the model lives
         self.load_error: Exception | None = None
         self.started = int(time.time())
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.live: set[Generation] = set()  # requests answering now (ended with an error on shutdown)
+        self.shutting_down = False
 
     def start(self, llm: LLM) -> None:
         self.model_id = Path(llm.path).name
@@ -53,33 +60,57 @@ class ServerState:
         return self.llm, self.scheduler
 
     def check_model(self, name: str | None) -> None:
-        """Clients name the model they want; any name of the one loaded is accepted."""
+        """Clients name the model they want: its id, or the id without extension. A path is not a
+        name (accepting it would confirm where the file lives)."""
         llm, _ = self.ready()
-        if name and name not in {self.model_id, Path(llm.path).stem, str(llm.path)}:
+        if name and name not in {self.model_id, Path(llm.path).stem}:
             raise APIError(404, f"model {name!r} not found (this server runs {self.model_id!r})", param="model",
                            code="model_not_found")
 
 
-class JSONBodies:
-    """Reads every POST body as JSON whatever its Content-Type, as llama.cpp's server does
-    (`curl -d` sends form encoding)."""
+    def health(self) -> tuple[int, str]:
+        if self.llm is None or self.scheduler is None:
+            return 503, "error" if self.load_error else "loading"
+        if self.shutting_down:
+            return 503, "shutting down"
+        if self.scheduler.stalled_seconds() > self.watchdog_seconds:
+            return 503, "stalled"
+        return 200, "ok"
 
-    def __init__(self, app: ASGIApp):
-        self.app = app
+    def begin_shutdown(self) -> None:
+        """End every answer in progress with an error (streams get an error event); callable from
+        a signal handler: the work happens on the event loop."""
+        self.shutting_down = True
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._end_live)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        await self.app(scope, receive, send)
+    def _end_live(self) -> None:
+        for generation in list(self.live):
+            generation.abort(APIError(503, "the server is shutting down", type="unavailable_error"))
+
+    def generation(self, scheduler: Scheduler, sequence) -> Generation:
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down", type="unavailable_error")
+        generation = Generation(scheduler, sequence, on_end=self.live.discard)
+        self.live.add(generation)
+        return generation
 
 
 def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
-               on_load_error: Callable[[Exception], None] | None = None) -> FastAPI:
-    """The server app over `llm` (or a function that loads it), with `parallel` KV-cache slots."""
+               on_load_error: Callable[[Exception], None] | None = None, *,
+               allowed_hosts: Collection[str] | None = None, api_keys: Collection[str] = (),
+               max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+               watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS) -> FastAPI:
+    """The server app over `llm` (or a function that loads it), with `parallel` KV-cache slots.
+
+    `allowed_hosts`: names the Host header may carry (None: any); `api_keys`: keys a request must
+    present as a bearer token (none: no key needed); `max_body_size`: bytes per request body;
+    `watchdog_seconds`: /health answers 503 once work has waited this long without the
+    scheduler finishing a step.
+    """
     if parallel < 1:
         raise PowerInferError("parallel must be >= 1")
-    state = ServerState(parallel)
+    state = ServerState(parallel, watchdog_seconds)
 
     def load(factory: Callable[[], LLM]) -> None:
         try:
@@ -93,6 +124,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
         if isinstance(llm, LLM):
             state.start(llm)
         else:
@@ -103,7 +135,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
 
     app = FastAPI(title="powerinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
-    app.add_middleware(JSONBodies)
+    app.add_middleware(RequestGate, allowed_hosts=allowed_hosts, api_keys=api_keys, max_body_size=max_body_size)
     install_handlers(app)
 
     @app.exception_handler(ClientGone)
@@ -112,9 +144,8 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if state.llm is None:
-            return JSONResponse({"status": "error" if state.load_error else "loading"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        status, word = state.health()
+        return JSONResponse({"status": word}, status_code=status)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -131,7 +162,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
     @app.post("/tokenize")
     async def tokenize(body: schemas.TokenizeRequest) -> dict:
         llm, _ = state.ready()
-        return {"tokens": llm.tokenize(body.content, add_bos=body.add_special)}
+        return {"tokens": await run_in_threadpool(llm.tokenize, body.content, add_bos=body.add_special)}
 
     @app.post("/detokenize")
     async def detokenize(body: schemas.DetokenizeRequest) -> dict:
@@ -146,8 +177,9 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
         state.check_model(body.model)
         llm, scheduler = state.ready()
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
-        sequence = llm.new_sequence(body.single_prompt(), max_tokens, body.stops(), **body.sampling())
-        generation = Generation(scheduler, sequence)
+        sequence = await run_in_threadpool(llm.new_sequence, body.single_prompt(), max_tokens, body.stops(),
+                                           **body.sampling())
+        generation = state.generation(scheduler, sequence)
         reply = OpenAIReply("text_completion", state.model_id, chat=False)
         if body.stream:
             return streaming(reply.stream(generation, include_usage=_usage_wanted(body)))
@@ -157,10 +189,13 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
     async def chat_completions(body: schemas.ChatRequest, request: Request) -> Response:
         state.check_model(body.model)
         llm, scheduler = state.ready()
-        ids = llm.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages])
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        sequence = llm.new_sequence(ids, llm.n_ctx if limit is None else limit, body.stops(), **body.sampling())
-        generation = Generation(scheduler, sequence)
+
+        def prepare():
+            ids = llm.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages])
+            return llm.new_sequence(ids, llm.n_ctx if limit is None else limit, body.stops(), **body.sampling())
+
+        generation = state.generation(scheduler, await run_in_threadpool(prepare))
         reply = OpenAIReply("chat.completion", state.model_id, chat=True)
         if body.stream:
             return streaming(reply.stream(generation, include_usage=_usage_wanted(body)))
@@ -170,7 +205,8 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
     async def llama_completion(body: schemas.LlamaCompletionRequest, request: Request) -> Response:
         llm, scheduler = state.ready()
         max_tokens = llm.n_ctx if body.n_predict < 0 else body.n_predict
-        generation = Generation(scheduler, llm.new_sequence(body.prompt, max_tokens, body.stops(), **body.sampling()))
+        sequence = await run_in_threadpool(llm.new_sequence, body.prompt, max_tokens, body.stops(), **body.sampling())
+        generation = state.generation(scheduler, sequence)
         if body.stream:
             return streaming(llama_stream(generation, state.model_id))
         completion = await generation.result(request)

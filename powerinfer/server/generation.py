@@ -7,7 +7,7 @@ import json
 import threading
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request as HTTPRequest
 
@@ -67,12 +67,18 @@ _MAILBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weak
 class Generation:
     """Runs `sequence` on the scheduler; events arrive on this event loop's queue."""
 
-    def __init__(self, scheduler: Scheduler, sequence: GenerationSequence):
+    def __init__(self, scheduler: Scheduler, sequence: GenerationSequence,
+                 on_end: Callable[["Generation"], None] | None = None):
         mailbox = Mailbox.of(asyncio.get_running_loop())
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.request = Request(sequence, lambda event: mailbox.put(self.queue, event), mailbox.wake)
         self.scheduler = scheduler
         self.sequence = sequence
+        self.on_end = on_end
+
+    def abort(self, error: Exception) -> None:
+        """End the answer with `error` now, whatever the scheduler is doing (call on the event loop)."""
+        self.queue.put_nowait(Event(error=error))
 
     async def events(self, client: HTTPRequest | None = None) -> AsyncIterator[Event]:
         """Events up to the final one. Stopping early (a streaming client that went away cancels
@@ -88,6 +94,8 @@ class Generation:
                     return
         finally:
             self.scheduler.cancel(self.request)
+            if self.on_end is not None:
+                self.on_end(self)
 
     async def _next_watching(self, client: HTTPRequest) -> Event:
         """The next event, checking every DISCONNECT_POLL_SECONDS that the client is still there."""

@@ -2,13 +2,15 @@
 
 Unknown fields are ignored (clients send many optional ones). Ranges are checked here, before a
 request reaches the scheduler: a value the sampler cannot use must be refused, not fail later.
+Text must be valid Unicode: JSON can spell a lone surrogate ("\\ud800"), which no tokenizer takes.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Temperatures below this (but above 0) and repetition penalties outside the range below could
 # overflow float32 logits to inf; 0 stays greedy.
@@ -16,6 +18,8 @@ MIN_TEMPERATURE = 1e-3
 MAX_TEMPERATURE = 1e3
 PENALTY_RANGE = (1e-3, 1e3)
 MAX_STOPS = 16
+MAX_STOP_LENGTH = 4096  # characters per stop string
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what torch's generator takes; < 0: random
 Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)]
@@ -23,12 +27,33 @@ TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=0)]
 RepeatPenalty = Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])]
-Stop = str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None
+StopText = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
+Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None
 TokenIds = list[Annotated[int, Field(ge=0, lt=2**31)]]
 
 
 class Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _check_unicode(data)
+        return data
+
+
+def _check_unicode(value: Any) -> None:
+    """Refuse strings holding UTF-16 surrogates, anywhere in the JSON value."""
+    if isinstance(value, str):
+        if SURROGATE.search(value):
+            raise ValueError("text holds a lone UTF-16 surrogate (not valid Unicode)")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
+    elif isinstance(value, list):
+        for item in value:
+            _check_unicode(item)
 
 
 class Sampling(Body):
