@@ -181,8 +181,10 @@ class Tokenizer:
 
     # -- chat ----------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render a conversation with the model's template (ChatML when the file has none)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render a conversation with the model's template (ChatML when the file has none);
+        `tools` (OpenAI function definitions) go to templates that render them."""
         if self._template is None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_template_error
@@ -194,7 +196,8 @@ class Tokenizer:
         special = lambda i: self.piece(i) if i is not None and 0 <= i < self.n_vocab else ""  # noqa: E731
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=special(self.bos_id), eos_token=special(self.eos_id))
+                                         bos_token=special(self.bos_id), eos_token=special(self.eos_id),
+                                         **({} if tools is None else {"tools": tools}))
         except TemplateError as error:
             raise PowerInferError(f"chat template: {error}") from None
 

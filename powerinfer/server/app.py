@@ -12,22 +12,28 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Collection
+from importlib.metadata import version
+from typing import Any
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from powerinfer.errors import PowerInferError
 from powerinfer.llm import LLM
 from powerinfer.runtime.engine import Engine
+from powerinfer.api import schemas
+from powerinfer.api.prepare import Prepared, prepare_chat, prepare_completion
+from powerinfer.api.replies import OpenAIReply, embedding_list
 from powerinfer.runtime.scheduler import Scheduler
-from powerinfer.server import schemas
+from powerinfer.runtime.sequence import GenerationSequence
 from powerinfer.server.errors import APIError, install_handlers
 from powerinfer.server.gate import DEFAULT_MAX_BODY_SIZE, RequestGate
 from powerinfer.server.generation import ClientGone, Generation
-from powerinfer.server.replies import OpenAIReply, llama_final, llama_stream, prometheus
+from powerinfer.server.metrics import Metrics
+from powerinfer.server.replies import llama_final, llama_stream, openai_stream
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -47,10 +53,12 @@ class ServerState:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.live: set[Generation] = set()  # requests answering now (ended with an error on shutdown)
         self.shutting_down = False
+        self.metrics = Metrics()
 
     def start(self, llm: LLM) -> None:
         self.model_id = Path(llm.path).name
-        self.scheduler = Scheduler(Engine(llm.model, llm.n_ctx, n_slots=self.parallel, n_batch=llm.engine.n_batch))
+        engine = Engine(llm.model, llm.n_ctx, n_slots=self.parallel, n_batch=llm.engine.n_batch)
+        self.scheduler = self.metrics.scheduler = Scheduler(engine, observer=self.metrics)
         self.llm = llm
 
     def ready(self) -> tuple[LLM, Scheduler]:
@@ -88,10 +96,10 @@ class ServerState:
         for generation in list(self.live):
             generation.abort(APIError(503, "the server is shutting down", type="unavailable_error"))
 
-    def generation(self, scheduler: Scheduler, sequence) -> Generation:
+    def generation(self, scheduler: Scheduler, sequences: GenerationSequence | list[GenerationSequence]) -> Generation:
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", type="unavailable_error")
-        generation = Generation(scheduler, sequence, on_end=self.live.discard)
+        generation = Generation(scheduler, sequences, on_end=self.live.discard)
         self.live.add(generation)
         return generation
 
@@ -148,9 +156,9 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
         return JSONResponse({"status": word}, status_code=status)
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        _, scheduler = state.ready()
-        return PlainTextResponse(prometheus(scheduler), media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        state.ready()
+        return Response(state.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -158,6 +166,25 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
         return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.started,
                                             "owned_by": "powerinfer", "meta": {"n_ctx": llm.n_ctx,
                                                                                "n_vocab": llm.config.n_vocab}}]}
+
+    @app.get("/props")
+    async def props() -> dict:
+        """llama-server's: what its web UI and clients read (the model's path is not among them)."""
+        llm, _ = state.ready()
+        defaults = schemas.LlamaCompletionRequest(prompt="")
+        params = {**defaults.sampling(), "seed": -1, "n_predict": defaults.n_predict, "stop": [], "n_probs": 0,
+                  "stream": False, "logit_bias": []}
+        return {"default_generation_settings": {"n_ctx": llm.n_ctx, "params": params, "model": state.model_id},
+                "total_slots": state.parallel, "model_path": state.model_id, "model_alias": state.model_id,
+                "chat_template": llm.tokenizer.chat_template or "", "modalities": {"vision": False, "audio": False},
+                "build_info": f"powerinfer {version('powerinfer')}"}
+
+    @app.get("/slots")
+    async def slots() -> list[dict]:
+        llm, scheduler = state.ready()
+        return [{"id": slot, "n_ctx": llm.n_ctx, "is_processing": busy, "state": int(busy), "n_tokens": cached,
+                 "next_token": {"n_decoded": decoded}}
+                for slot, (busy, cached, decoded) in enumerate(scheduler.slots())]
 
     @app.post("/tokenize")
     async def tokenize(body: schemas.TokenizeRequest) -> dict:
@@ -172,34 +199,37 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
             raise APIError(400, f"token id {bad[0]} is out of range (vocabulary of {llm.config.n_vocab})", param="tokens")
         return {"content": llm.detokenize(body.tokens)}
 
-    @app.post("/v1/completions")
-    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
+    async def openai_answer(body: schemas.OpenAIRequest, prepare: Callable[[LLM, Any], Prepared],
+                            request: Request, chat: bool) -> Response:
         state.check_model(body.model)
         llm, scheduler = state.ready()
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
-        sequence = await run_in_threadpool(llm.new_sequence, body.single_prompt(), max_tokens, body.stops(),
-                                           **body.sampling())
-        generation = state.generation(scheduler, sequence)
-        reply = OpenAIReply("text_completion", state.model_id, chat=False)
+        if body.choices > scheduler.n_slots:
+            raise APIError(400, f"n={body.choices} is more than the server's {scheduler.n_slots} slots (--parallel)",
+                           param="n")
+        prepared = await run_in_threadpool(prepare, llm, body)
+        generation = state.generation(scheduler, prepared.sequences)
+        reply = OpenAIReply(state.model_id, llm.tokenizer, prepared, chat)
         if body.stream:
-            return streaming(reply.stream(generation, include_usage=_usage_wanted(body)))
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return streaming(openai_stream(reply, generation, include_usage))
         return JSONResponse(reply.whole(await generation.result(request)))
+
+    @app.post("/v1/completions")
+    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
+        return await openai_answer(body, prepare_completion, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatRequest, request: Request) -> Response:
+        return await openai_answer(body, prepare_chat, request, chat=True)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: schemas.EmbeddingRequest) -> dict:
         state.check_model(body.model)
         llm, scheduler = state.ready()
-        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-
-        def prepare():
-            ids = llm.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages])
-            return llm.new_sequence(ids, llm.n_ctx if limit is None else limit, body.stops(), **body.sampling())
-
-        generation = state.generation(scheduler, await run_in_threadpool(prepare))
-        reply = OpenAIReply("chat.completion", state.model_id, chat=True)
-        if body.stream:
-            return streaming(reply.stream(generation, include_usage=_usage_wanted(body)))
-        return JSONResponse(reply.whole(await generation.result(request)))
+        inputs = body.inputs()
+        # On the scheduler's thread, between its steps: one thread drives the model.
+        vectors, n_tokens = await asyncio.wrap_future(scheduler.call(lambda _: llm.embed_with_counts(inputs)))
+        return embedding_list(vectors, n_tokens, state.model_id, body.encoding_format)
 
     @app.post("/completion")
     async def llama_completion(body: schemas.LlamaCompletionRequest, request: Request) -> Response:
@@ -209,7 +239,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
         generation = state.generation(scheduler, sequence)
         if body.stream:
             return streaming(llama_stream(generation, state.model_id))
-        completion = await generation.result(request)
+        completion = (await generation.result(request))[0]
         return JSONResponse({"content": completion.text, **llama_final(generation.sequence, completion, state.model_id)})
 
     return app
@@ -217,7 +247,3 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
 
 def streaming(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-
-
-def _usage_wanted(body: schemas.OpenAIRequest) -> bool:
-    return body.stream_options is not None and body.stream_options.include_usage
