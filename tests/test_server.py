@@ -691,6 +691,41 @@ def test_text_that_is_not_unicode_gets_400(server, body):
     assert_error(httpx.post(f"{server.url}{route}", content=body, headers=JSON_HEADERS, timeout=60), 400)
 
 
+def test_big_prompt_does_not_block_the_event_loop(server):
+    """Tokenizing 7 MB takes seconds; /health answers meanwhile (the tokenizer runs in a worker
+    thread and releases the interpreter lock)."""
+    prompt = "hello world " * 600_000
+    answered_while_busy = 0
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(httpx.post, f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1},
+                          timeout=300)
+        while not big.done():
+            health = httpx.get(f"{server.url}/health", timeout=60)
+            answered_while_busy += health.status_code == 200 and not big.done()
+            time.sleep(0.05)
+        assert assert_error(big.result(), 400)["code"] == "context_length_exceeded"
+    assert answered_while_busy > 0
+
+
+def test_serve_flags(tmp_path):
+    from powerinfer.cli import build_parser
+    from powerinfer.commands.serve import allowed_hosts, api_keys
+
+    parse = build_parser().parse_args
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# the team's keys\nsecond\n\nthird\n")
+    assert api_keys(parse(["serve", "--api-key", "first", "--api-key-file", str(keys)])) == ["first", "second", "third"]
+    keys.write_text("# none\n")
+    with pytest.raises(PowerInferError, match="no API keys"):
+        api_keys(parse(["serve", "--api-key-file", str(keys)]))
+    assert allowed_hosts(parse(["serve"])) == LOOPBACK_HOSTS
+    assert allowed_hosts(parse(["serve", "--host", "127.0.0.2"])) == LOOPBACK_HOSTS | {"127.0.0.2"}
+    assert allowed_hosts(parse(["serve", "--host", "0.0.0.0"])) is None
+    assert allowed_hosts(parse(["serve", "--allowed-hosts", "api.example, Other.example"])) == {"api.example",
+                                                                                             "other.example"}
+    assert allowed_hosts(parse(["serve", "--allowed-hosts", "*"])) is None
+
+
 class StuckDecode:
     """Makes the engine's decode steps block until released: a stuck scheduler step."""
 
