@@ -10,6 +10,8 @@ import torch
 
 from powerinfer import LLM, PowerInferError
 
+from test_tokenizer import sentencepiece_gguf, sentencepiece_model, valid_lines  # noqa: F401 - fixtures
+
 
 def test_tokenize_round_trip(default_llm):
     ids = default_llm.tokenize("Hello world, 2024!")
@@ -155,3 +157,33 @@ def test_embed_is_transformers_last_hidden_state_mean(default_llm, smollm2_refer
         reference = torch.nn.functional.normalize(hidden.mean(0), dim=0).numpy()
         assert float(vector @ reference) > 0.99  # cosine: ours runs the quantized weights
     assert float(ours[0] @ ours[1]) < 0.99  # different texts, different vectors
+
+
+def test_token_bytes_spell_the_text(default_llm, wikitext_valid):
+    """Logprobs' `bytes` and the grammar engine see each token's exact bytes: GPT-2's byte table
+    (transformers' copy as the reference), and the bytes of a text's tokens join into the text."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from powerinfer.runtime.token_bytes import token_bytes
+
+    vocabulary = token_bytes(default_llm.tokenizer)
+    table = {c: b for b, c in bytes_to_unicode().items()}
+    for token in range(0, default_llm.config.n_vocab, 97):
+        piece = default_llm.tokenizer.piece(token)
+        if default_llm.tokenizer.types[token] == 1:  # normal tokens; control tokens give their text
+            assert vocabulary[token] == bytes(table[c] for c in piece)
+    for line in wikitext_valid.splitlines()[:300] + ["Héllo wörld, 日本語 🙂"]:
+        ids = default_llm.tokenize(line, add_bos=False)
+        assert b"".join(vocabulary[t] for t in ids) == line.encode()
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary(sentencepiece_gguf, valid_lines):
+    from powerinfer.gguf.reader import open_gguf
+    from powerinfer.runtime.token_bytes import token_bytes
+    from powerinfer.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(open_gguf(sentencepiece_gguf))
+    vocabulary = token_bytes(tokenizer)
+    for line in valid_lines[:200] + ["Héllo wörld, 日本語 🙂"]:
+        ids = tokenizer.encode(line, add_bos=False)
+        assert b"".join(vocabulary[t] for t in ids) == (" " + line).encode()  # SentencePiece's leading space

@@ -143,7 +143,8 @@ class Scheduler:
 
     def slots(self) -> list[tuple[bool, int, int]]:
         """Per slot: (generating, tokens in its cache, tokens generated), as seen now."""
-        active = dict(self._active)
+        with self._wake:  # the worker changes _active under this lock
+            active = dict(self._active)
         return [(s in active, self.engine.tokens_in(s),
                  len(active[s][0].sequences[active[s][1]].generated) if s in active else 0)
                 for s in range(self.n_slots)]
