@@ -493,6 +493,30 @@ def test_scheduler_flushes_once_per_step_not_per_event(default_llm):
     assert log[-1] == "flush"  # nothing left unflushed
 
 
+def test_a_choice_that_ends_at_once_leaves_the_others_going(default_llm):
+    """Choices of one request: the first ends with its first token (the fuzz found the others then
+    skipped their first token and failed the next step)."""
+    scheduler = Scheduler(Engine(default_llm.model, 256, n_slots=2))
+    events: list[Event] = []
+    done = threading.Semaphore(0)
+
+    def deliver(event: Event) -> None:
+        events.append(event)
+        if event.final:
+            done.release()
+
+    short = default_llm.new_sequence("Once upon a time", 1, temperature=0)
+    try:
+        scheduler.submit(Request([short, default_llm.new_sequence("Once upon a time", 5, temperature=0)], deliver))
+        assert all(done.acquire(timeout=60) for _ in range(2))
+    finally:
+        scheduler.close()
+    assert not [e for e in events if e.error]
+    completions = {e.index: e.completion for e in events if e.completion}
+    assert completions[1].text == default_llm.generate("Once upon a time", max_tokens=5, temperature=0)
+    assert len(completions[0].tokens) == 1
+
+
 def test_batched_decode_gives_each_row_its_own_logits_exactly(default_llm):
     """What makes batched greedy output equal single-sequence output: bit-identical logits."""
     prompts = [default_llm.tokenize(p) for p in PROMPTS[:5]]

@@ -254,7 +254,7 @@ class Scheduler:
                 self._emit(slot, "")
             else:
                 generated += self._accept(slot, logits)
-            if slot not in self._active:  # the request failed
+            if request.cancelled:  # it failed (a choice that finished at once just left its slot)
                 break
         self._count(generated)
 
@@ -324,6 +324,7 @@ class Scheduler:
             log.exception("generation failed", exc_info=error)
         if slot in self._active:
             request = self._active[slot][0]
+            request.cancelled = True
             self._send(request, Event(error=error))
             self._release_request(request)
 
