@@ -11,6 +11,7 @@ advancing the grammar), and writes benchmarks/results/constrained_decoding.md.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -82,8 +83,8 @@ def main() -> None:
     ]
     report = "\n".join([
         "# Constrained decoding cost", "",
-        f"`python benchmarks/constrained_decoding.py -n {args.tokens}`: {Path(llm.path).name}, greedy, one run "
-        f"each after an {WARM_UP_TOKENS}-token warm-up, {torch.get_num_threads()} torch threads.", "",
+        f"`python {' '.join(sys.argv)}`: {Path(llm.path).name}, greedy, one run "
+        f"each after an {WARM_UP_TOKENS}-token warm-up, {torch.get_num_threads()} torch thread(s).", "",
         f"Machine: {machine()}; other processes used {other:.0%} of its CPU time during the runs.", "",
         *rows, "",
         f"Constrained decoding costs {1 - json_rate / free_rate:.1%} of decode tokens/s "
