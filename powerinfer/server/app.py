@@ -19,7 +19,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from powerinfer.errors import PowerInferError
 from powerinfer.llm import LLM
-from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.scheduler import Scheduler
 from powerinfer.server import schemas
 from powerinfer.server.errors import APIError, install_handlers
@@ -43,7 +42,7 @@ class ServerState:
 
     def start(self, llm: LLM) -> None:
         self.model_id = Path(llm.path).name
-        self.scheduler = Scheduler(Engine(llm.model, llm.n_ctx, n_slots=self.parallel, n_batch=llm.engine.n_batch))
+        self.scheduler = Scheduler(llm.new_engine(self.parallel))
         self.llm = llm
 
     def ready(self) -> tuple[LLM, Scheduler]:
