@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 import torch
-from server_load import OtherLoad, machine
+from common import machine_description
+from server_load import OtherLoad
 
 from powerinfer import LLM
 from powerinfer.runtime.constraint import Constraint, json_schema_grammar
-from powerinfer.runtime.engine import Engine
 
 PROMPT = [{"role": "user", "content": "Write a long story about a dragon who learns to cook, as JSON."}]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title", "story", "characters"],
@@ -48,7 +48,7 @@ class TimedConstraint(Constraint):
 
 def run(llm: LLM, ids: list[int], max_tokens: int, constraint: Constraint | None) -> tuple[int, float, str]:
     """Greedy decode; returns (tokens decoded after the first, seconds of those steps, finish reason)."""
-    engine = Engine(llm.model, llm.n_ctx)
+    engine = llm.new_engine(1)
     sequence = llm.new_sequence(ids, max_tokens, temperature=0, repeat_penalty=1.0, constraint=constraint)
     sequence.accept(engine.prefill(0, ids, reuse_prefix=False))
     started, steps = time.perf_counter(), 0
@@ -69,6 +69,7 @@ def main() -> None:
     ids = llm.chat_prompt(PROMPT)
     grammar = json_schema_grammar(SCHEMA)
     run(llm, ids, WARM_UP_TOKENS, Constraint(llm.tokenizer, llm.config.n_vocab, grammar))  # kernels, vocabulary
+    description = machine_description()  # its load average is taken before the runs
     load = OtherLoad()
     free_steps, free_seconds, free_end = run(llm, ids, args.tokens, None)
     constraint = TimedConstraint(llm.tokenizer, llm.config.n_vocab, grammar)
@@ -85,7 +86,7 @@ def main() -> None:
         "# Constrained decoding cost", "",
         f"`python {' '.join(sys.argv)}`: {Path(llm.path).name}, greedy, one run "
         f"each after an {WARM_UP_TOKENS}-token warm-up, {torch.get_num_threads()} torch thread(s).", "",
-        f"Machine: {machine()}; other processes used {other:.0%} of its CPU time during the runs.", "",
+        f"Machine: {description}; other processes used {other:.0%} of its CPU time during the runs.", "",
         *rows, "",
         f"Constrained decoding costs {1 - json_rate / free_rate:.1%} of decode tokens/s "
         f"(grammar share of a step: {constraint.seconds / json_seconds:.1%}).", ""])

@@ -6,23 +6,26 @@ import os
 import time
 from functools import cached_property
 from collections.abc import Iterator, Sequence
-from typing import Literal
+from functools import cached_property
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
 
-from powerinfer.config import ModelConfig
 from powerinfer.errors import ContextOverflowError, PowerInferError
-from powerinfer.gguf.reader import open_gguf
+from powerinfer.gguf.reader import GGUFFile, open_gguf
 from powerinfer.hub import resolve_model
-from powerinfer.models import load_model
+from powerinfer.models import load_model, read_config
 from powerinfer.models.ffn import FFNOptions, SparsityMode
 from powerinfer.runtime.constraint import Constraint
 from powerinfer.runtime.engine import Engine
-from powerinfer.runtime.hybrid import GPUIndexMode, hybrid_options
 from powerinfer.runtime.sampling import SamplingParams
 from powerinfer.runtime.sequence import Completion, GenerationSequence
 from powerinfer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from powerinfer.placement.planner import GPUIndexMode
+    from powerinfer.placement.spec import Placement
 
 DEFAULT_N_CTX = 4096
 Prompt = str | Sequence[int]
@@ -61,17 +64,25 @@ class LLM:
     activation statistics (`activations` directory, else activation/ next to the model, else
     uniform) or read from `<model>.generated.gpuidx`; `gpu_index`: "reuse" the index while the
     budget covers it, "reset" to rebuild it, "disable" to keep FFNs on the CPU. See docs/hybrid.md.
+    `n_gpu_layers` instead offloads the last N layers whole, as llama.cpp's -ngl does.
+    `parallel`: the KV-cache slots a server will run (the placement budgets their cache).
+
+    The loaded model is shared: `engine` (made on first use) holds this object's own KV cache, and
+    `new_engine` makes others over the same weights (the server's slots).
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *, threads: int | None = None,
                  n_ctx: int | None = None, n_batch: int = 512, dtype: Literal["auto", "float32"] = "auto",
                  sparsity: SparsityMode = "auto", thresholds: Sequence[float] | None = None,
-                 vram_budget: float | None = None, gpu_index: GPUIndexMode = "reuse",
-                 activations: str | os.PathLike[str] | None = None, accelerator: str | torch.device | None = None):
+                 vram_budget: float | None = None, n_gpu_layers: int | None = None, gpu_index: GPUIndexMode = "reuse",
+                 activations: str | os.PathLike[str] | None = None, accelerator: str | torch.device | None = None,
+                 parallel: int = 1):
         if dtype not in ("auto", "float32"):
             raise PowerInferError(f"unknown dtype {dtype!r} (expected 'auto' or 'float32')")
         if sparsity not in ("auto", "off", "oracle"):
             raise PowerInferError(f"unknown sparsity {sparsity!r} (expected 'auto', 'off' or 'oracle')")
+        if parallel < 1:
+            raise PowerInferError("parallel must be >= 1")
         if threads is not None:
             if threads < 1:
                 raise PowerInferError("threads must be >= 1")
@@ -79,26 +90,47 @@ class LLM:
         self.path = resolve_model(model)
         started = time.perf_counter()
         gguf = open_gguf(self.path)
-        self.config = ModelConfig.from_gguf(gguf)  # rejects unsupported architectures before any work
+        self.config = read_config(gguf)  # rejects unsupported architectures before any work
         self.tokenizer = Tokenizer.from_gguf(gguf)
         self.n_ctx = n_ctx or min(DEFAULT_N_CTX, self.config.n_ctx_train)
+        self.n_batch = n_batch
         if self.n_ctx < 1:
             raise PowerInferError("n_ctx must be >= 1")
         if thresholds is not None and len(thresholds) != self.config.n_layers:
             raise PowerInferError(f"{len(thresholds)} thresholds given for a model of {self.config.n_layers} layers")
-        if vram_budget is not None and dtype == "float32":
-            raise PowerInferError("a VRAM budget needs dtype 'auto' (float32 mode runs dense on the CPU)")
-        self.hybrid = None if vram_budget is None else hybrid_options(
-            gguf, self.config, self.path, self.n_ctx, vram_budget, gpu_index=gpu_index, activations=activations,
-            accelerator=accelerator)
-        options = FFNOptions(sparsity, dtype == "float32", tuple(thresholds) if thresholds is not None else None,
-                             self.hybrid)
+        placed = vram_budget is not None or n_gpu_layers is not None
+        if placed and dtype == "float32":
+            raise PowerInferError("placing weights on an accelerator needs dtype 'auto' (float32 mode runs on the CPU)")
+        self.placement = self._placement(gguf, parallel, vram_budget, n_gpu_layers, gpu_index, activations,
+                                         accelerator) if placed else None
+        options = FFNOptions(sparsity, dtype == "float32", tuple(thresholds) if thresholds is not None else None)
         self.model = load_model(gguf, self.n_ctx, options)
+        if self.placement is not None:
+            from powerinfer.placement.apply import apply_placement
+
+            apply_placement(self.model, self.placement)
         self.file_size = gguf.file_size
         self.n_params = sum(t.n_elements for t in gguf.tensors.values())
         self.quant_label = gguf.dominant_type_name()
-        self.engine = Engine(self.model, self.n_ctx, n_batch=n_batch)
         self.load_seconds = time.perf_counter() - started
+
+    def _placement(self, gguf: GGUFFile, parallel: int, vram_budget: float | None, n_gpu_layers: int | None,
+                   gpu_index: GPUIndexMode, activations, accelerator) -> Placement | None:
+        # imported here: runs without an accelerator never load the solver
+        from powerinfer.placement.planner import choose_placement
+
+        return choose_placement(gguf, self.config, self.path, self.n_ctx, parallel, vram_budget=vram_budget,
+                                n_gpu_layers=n_gpu_layers, gpu_index=gpu_index, activations=activations,
+                                accelerator=accelerator)
+
+    @cached_property
+    def engine(self) -> Engine:
+        """This object's own single-slot engine (its KV cache is allocated on first use)."""
+        return self.new_engine(1)
+
+    def new_engine(self, n_slots: int) -> Engine:
+        """An engine with `n_slots` KV-cache slots over this model's weights."""
+        return Engine(self.model, self.n_ctx, n_slots=n_slots, n_batch=self.n_batch)
 
     # -- tokens -------------------------------------------------------------------------------
 

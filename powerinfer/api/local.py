@@ -14,7 +14,6 @@ from powerinfer.api.prepare import Prepared, prepare_chat, prepare_completion
 from powerinfer.api.replies import OpenAIReply
 from powerinfer.api.schemas import ChatRequest, CompletionRequest, OpenAIRequest, validation_message
 from powerinfer.errors import PowerInferError
-from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.scheduler import Event, Request, Scheduler
 
 if TYPE_CHECKING:
@@ -32,7 +31,7 @@ def validated(model: type[BaseModel], fields: dict[str, Any]) -> Any:
 
 def _events(llm: LLM, prepared: Prepared) -> Iterator[Event]:
     """The scheduler's events for one request, until every choice finished (an error raises)."""
-    engine = Engine(llm.model, llm.n_ctx, n_slots=len(prepared.sequences), n_batch=llm.engine.n_batch)
+    engine = llm.new_engine(len(prepared.sequences))
     scheduler = Scheduler(engine)
     received: queue.SimpleQueue[Event] = queue.SimpleQueue()
     request = Request(prepared.sequences, received.put)

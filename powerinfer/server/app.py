@@ -23,7 +23,6 @@ from starlette.concurrency import run_in_threadpool
 
 from powerinfer.errors import PowerInferError
 from powerinfer.llm import LLM
-from powerinfer.runtime.engine import Engine
 from powerinfer.api import schemas
 from powerinfer.api.prepare import Prepared, prepare_chat, prepare_completion
 from powerinfer.api.replies import OpenAIReply, embedding_list
@@ -57,8 +56,7 @@ class ServerState:
 
     def start(self, llm: LLM) -> None:
         self.model_id = Path(llm.path).name
-        engine = Engine(llm.model, llm.n_ctx, n_slots=self.parallel, n_batch=llm.engine.n_batch)
-        self.scheduler = self.metrics.scheduler = Scheduler(engine, observer=self.metrics)
+        self.scheduler = self.metrics.scheduler = Scheduler(llm.new_engine(self.parallel), observer=self.metrics)
         self.llm = llm
 
     def ready(self) -> tuple[LLM, Scheduler]:
