@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, quants
+from gguf import GGMLQuantizationType, GGUFValueType, quants
 from tqdm import tqdm
 
 from powerinfer.config import ACTIVATION_KEY
 from powerinfer.convert.encode import FILE_TYPES, encode_tensor
-from powerinfer.gguf.reader import GGUFTensor, open_gguf, tolerant_reader
+from powerinfer.gguf.reader import GGUFTensor, open_gguf
 from powerinfer.gguf.writer import TensorData, write_gguf
 from powerinfer.models import read_config
 from powerinfer.models.ffn import ACTIVATION_THRESHOLDS_KEY
@@ -59,13 +59,8 @@ class ModelSource:
 def gguf_source(path: str | Path) -> ModelSource:
     """A GGUF or PowerInfer GGUF file as a conversion source; metadata keep their exact types."""
     gguf = open_gguf(path)  # validates the file with one-line errors
-    reader: GGUFReader = tolerant_reader(gguf.path)
-    typed: dict[str, TypedValue] = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-        typed[name] = (field.contents(), field.types[0], sub_type)
+    typed: dict[str, TypedValue] = {name: (value, *gguf.value_types[name]) for name, value in gguf.metadata.items()
+                                    if name != "general.architecture"}
     arch = gguf.require("general.architecture")
     # The activation as this file implies it, stored explicitly: a llama GGUF without the key is
     # SiLU, but a PowerInfer GGUF without it would read as ReLU-Llama.
