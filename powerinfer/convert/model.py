@@ -120,8 +120,9 @@ def _output_tensors(source: ModelSource, outtype: T | None, predictors: Predicto
 
 
 def write_model(source: ModelSource, outfile: str | Path, outtype: T | None = None,
-                predictors: PredictorDirectory | None = None, progress: bool = True) -> None:
-    """Write `source` to `outfile` (atomically): GGUF, or PowerInfer GGUF with `predictors`."""
+                predictors: PredictorDirectory | None = None, progress: bool = True, replace: bool = True) -> None:
+    """Write `source` to `outfile` (atomically; over an existing file only when `replace`): GGUF, or
+    PowerInfer GGUF with `predictors`."""
     metadata, typed = dict(source.metadata), dict(source.typed_metadata)
     if outtype is not None:
         typed.pop("general.file_type", None)
@@ -136,4 +137,4 @@ def write_model(source: ModelSource, outfile: str | Path, outtype: T | None = No
         if predictors.activation_thresholds is not None:
             metadata[ACTIVATION_THRESHOLDS_KEY] = [float(t) for t in predictors.activation_thresholds]
     write_gguf(outfile, source.architecture, metadata, _output_tensors(source, outtype, predictors, progress),
-               powerinfer=predictors is not None or source.has_predictors, typed_metadata=typed)
+               powerinfer=predictors is not None or source.has_predictors, typed_metadata=typed, replace=replace)

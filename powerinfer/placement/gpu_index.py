@@ -35,8 +35,9 @@ def index_path(model: str | os.PathLike[str]) -> Path:
     return model.with_name(model.name + SUFFIX)
 
 
-def write_gpu_index(path: str | os.PathLike[str], plan: Plan) -> None:
-    """Write the plan's placement (atomically: a reader never sees half a file)."""
+def write_gpu_index(path: str | os.PathLike[str], plan: Plan, replace: bool = True) -> None:
+    """Write the plan's placement (atomically: a reader never sees half a file; an existing file
+    is replaced only when `replace`)."""
     tensors = []
     for i, (hot, n_ff) in enumerate(zip(plan.hot, plan.n_ff)):
         flags = np.zeros(n_ff, dtype=np.int32)
@@ -44,7 +45,7 @@ def write_gpu_index(path: str | os.PathLike[str], plan: Plan) -> None:
         tensors += [TensorData(f"blk.{i}.gpu_idx", flags, GGMLQuantizationType.I32),
                     TensorData(f"blk.{i}.gpu_bucket", np.sort(hot).astype(np.int32), GGMLQuantizationType.I32)]
     write_gguf(path, ARCHITECTURE, {BLOCK_COUNT_KEY: len(plan.hot)}, tensors, powerinfer=True,
-               typed_metadata={CAPACITY_KEY: (int(plan.capacity), GGUFValueType.UINT64, None)})
+               typed_metadata={CAPACITY_KEY: (int(plan.capacity), GGUFValueType.UINT64, None)}, replace=replace)
 
 
 def read_gpu_index(path: str | os.PathLike[str], n_ff: tuple[int, ...]) -> tuple[tuple[np.ndarray, ...], int]:
