@@ -17,11 +17,13 @@ from powerinfer.outputs import atomic_file
 @dataclass(frozen=True)
 class TensorData:
     """A tensor ready to write: plain arrays (F32, F16, I32) as they are, other types as uint8 blocks
-    [rows, bytes per row] from `gguf.quants.quantize`."""
+    [rows, bytes per row] from `gguf.quants.quantize`. `type_code` replaces the code written for
+    the type where the file's reader numbers types unlike the `gguf` package (PowerInfer's I32 is 18)."""
 
     name: str
     data: np.ndarray
     ggml_type: GGMLQuantizationType
+    type_code: int | None = None
 
 
 def _add_value(writer: GGUFWriter, key: str, value: Any) -> None:
@@ -52,7 +54,9 @@ def write_gguf(path: str | os.PathLike[str], architecture: str, metadata: dict[s
         for key, (value, vtype, sub_type) in (typed_metadata or {}).items():
             writer.add_key_value(key, value, vtype, sub_type)
         for t in tensors:
-            writer.add_tensor(t.name, t.data, raw_dtype=t.ggml_type if t.data.dtype == np.uint8 else None)
+            # the writer packs raw_dtype as the type code, and sizes plain (non-uint8) arrays by themselves
+            raw_dtype = t.type_code if t.type_code is not None else t.ggml_type if t.data.dtype == np.uint8 else None
+            writer.add_tensor(t.name, t.data, raw_dtype=raw_dtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=progress)
