@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from functools import cached_property
 from collections.abc import Iterator, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Literal

@@ -8,12 +8,14 @@ import sys
 from powerinfer.convert.encode import QUANTIZE_TYPES, parse_outtype
 from powerinfer.convert.model import gguf_source, write_model
 from powerinfer.errors import PowerInferError
+from powerinfer.outputs import check_output_file
 
 
 def main(args: argparse.Namespace) -> int:
     if args.type.lower() not in QUANTIZE_TYPES:
         raise PowerInferError(f"unsupported quantization type {args.type!r} (choose from {', '.join(t.upper() for t in QUANTIZE_TYPES)})")
+    check_output_file(args.output, args.force)
     source = gguf_source(args.input)
-    write_model(source, args.output, parse_outtype(args.type))
+    write_model(source, args.output, parse_outtype(args.type), replace=args.force)
     print(f"wrote {args.output} ({args.type.upper()})", file=sys.stderr)
     return 0

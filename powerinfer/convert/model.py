@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, quants
+from gguf import GGMLQuantizationType, GGUFValueType, quants
 from tqdm import tqdm
 
 from powerinfer.config import ACTIVATION_KEY
 from powerinfer.convert.encode import FILE_TYPES, encode_tensor
-from powerinfer.gguf.reader import GGUFTensor, open_gguf, tolerant_reader
+from powerinfer.gguf.reader import GGUFTensor, open_gguf
 from powerinfer.gguf.writer import TensorData, write_gguf
 from powerinfer.models import read_config
 from powerinfer.models.ffn import ACTIVATION_THRESHOLDS_KEY
@@ -59,13 +59,8 @@ class ModelSource:
 def gguf_source(path: str | Path) -> ModelSource:
     """A GGUF or PowerInfer GGUF file as a conversion source; metadata keep their exact types."""
     gguf = open_gguf(path)  # validates the file with one-line errors
-    reader: GGUFReader = tolerant_reader(gguf.path)
-    typed: dict[str, TypedValue] = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-        typed[name] = (field.contents(), field.types[0], sub_type)
+    typed: dict[str, TypedValue] = {name: (value, *gguf.value_types[name]) for name, value in gguf.metadata.items()
+                                    if name != "general.architecture"}
     arch = gguf.require("general.architecture")
     # The activation as this file implies it, stored explicitly: a llama GGUF without the key is
     # SiLU, but a PowerInfer GGUF without it would read as ReLU-Llama.
@@ -125,8 +120,9 @@ def _output_tensors(source: ModelSource, outtype: T | None, predictors: Predicto
 
 
 def write_model(source: ModelSource, outfile: str | Path, outtype: T | None = None,
-                predictors: PredictorDirectory | None = None, progress: bool = True) -> None:
-    """Write `source` to `outfile` (atomically): GGUF, or PowerInfer GGUF with `predictors`."""
+                predictors: PredictorDirectory | None = None, progress: bool = True, replace: bool = True) -> None:
+    """Write `source` to `outfile` (atomically; over an existing file only when `replace`): GGUF, or
+    PowerInfer GGUF with `predictors`."""
     metadata, typed = dict(source.metadata), dict(source.typed_metadata)
     if outtype is not None:
         typed.pop("general.file_type", None)
@@ -141,4 +137,4 @@ def write_model(source: ModelSource, outfile: str | Path, outtype: T | None = No
         if predictors.activation_thresholds is not None:
             metadata[ACTIVATION_THRESHOLDS_KEY] = [float(t) for t in predictors.activation_thresholds]
     write_gguf(outfile, source.architecture, metadata, _output_tensors(source, outtype, predictors, progress),
-               powerinfer=predictors is not None or source.has_predictors, typed_metadata=typed)
+               powerinfer=predictors is not None or source.has_predictors, typed_metadata=typed, replace=replace)
