@@ -5,15 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from powerinfer.convert.encode import QUANTIZE_TYPES, parse_outtype
+from powerinfer.convert.mixes import parse_mix
 from powerinfer.convert.model import gguf_source, write_model
-from powerinfer.errors import PowerInferError
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.type.lower() not in QUANTIZE_TYPES:
-        raise PowerInferError(f"unsupported quantization type {args.type!r} (choose from {', '.join(t.upper() for t in QUANTIZE_TYPES)})")
-    source = gguf_source(args.input)
-    write_model(source, args.output, parse_outtype(args.type))
-    print(f"wrote {args.output} ({args.type.upper()})", file=sys.stderr)
+    mix = parse_mix(args.type)
+    write_model(gguf_source(args.input), args.output, mix)
+    print(f"wrote {args.output} ({mix.name})", file=sys.stderr)
     return 0
