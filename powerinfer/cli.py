@@ -170,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("type", help="Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (every matrix that type); Q4_K_S, Q4_K_M, "
                                        "Q5_K_S, Q5_K_M (llama.cpp's mixes); POWERINFER_Q4_0 (PowerInfer's: Q4_0, "
                                        "output Q6_K, predictors Q4_0)")
+    quantize.add_argument("--allow-requantize", action="store_true",
+                          help="also re-encode matrices that are already quantized (adds a second rounding error)")
 
     place = commands.add_parser("place", help="solve which FFN neurons go to the accelerator for a VRAM budget")
     place.add_argument("-m", "--model", required=True, help="GGUF or PowerInfer GGUF file")
