@@ -17,49 +17,53 @@ rounded to their 6- or 8-bit codes, and the values re-rounded against the scales
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 T = GGMLQuantizationType
 QK_K = 256
 K_QUANT_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
-_CHUNK_VALUES = 1 << 21  # values encoded at a time: bounds the temporaries to tens of MB
+_CHUNK_VALUES = 1 << 20  # values encoded at a time per thread: bounds the temporaries to tens of MB
 # Candidate steps per sub-block: the range spread over levels + delta (delta > 0 clips the
 # extremes for finer steps elsewhere, delta < 0 leaves headroom). 21 steps of 0.1 across ±1 level.
 _AFFINE_DELTAS = np.linspace(-1.0, 1.0, 21)
 _SYMMETRIC_LEVELS = np.linspace(28.0, 36.0, 17)  # Q6_K: |largest value| mapped to this many steps
 
 
-def _least_squares_affine(x: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, (scale, offset) minimising |scale·q + offset − x|² with offset ≤ 0 (K-quants
-    subtract a non-negative min) and scale ≥ 0."""
-    n = x.shape[-1]
-    sq, sqq = q.sum(-1), (q * q).sum(-1)
-    sx, sqx = x.sum(-1), (q * x).sum(-1)
-    det = n * sqq - sq * sq
-    with np.errstate(divide="ignore", invalid="ignore"):
-        scale = np.where(det > 0, (n * sqx - sq * sx) / det, 0.0)
-        offset = np.where(det > 0, (sqq * sx - sq * sqx) / det, sx / n)
-        # An offset above zero is not storable: the best scale through the origin instead.
-        through_origin = np.where(sqq > 0, sqx / sqq, 0.0)
-    positive = offset > 0
-    scale = np.where(positive, through_origin, scale)
-    offset = np.where(positive, 0.0, offset)
-    return np.maximum(scale, 0.0), offset
+def _row_dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.einsum("ij,ij->i", a, b).astype(np.float64)
 
 
 def _search_affine(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
-    """(scale ≥ 0, offset ≤ 0) per row of x [N, 32] for quants 0..levels, least squared error."""
+    """(scale ≥ 0, offset ≤ 0) per row of x [N, 32] for quants 0..levels, least squared error.
+    For each candidate rounding the least-squares line through (q, x) is fitted; an offset above
+    zero is not storable (K-quants subtract a non-negative min), so such rows are fitted through the
+    origin instead. Errors come from the sums in closed form, to keep the loop cheap."""
+    n = x.shape[-1]
     lo = np.minimum(x.min(-1), 0.0)
     span = x.max(-1) - lo
+    shifted = x - lo[:, None]
+    sx, sxx = x.sum(-1, dtype=np.float64), _row_dot(x, x)
     best_err = np.full(x.shape[0], np.inf)
     best_scale, best_offset = np.zeros(x.shape[0]), lo.astype(np.float64)
     for delta in _AFFINE_DELTAS:
         with np.errstate(divide="ignore", invalid="ignore"):
-            inverse = np.where(span > 0, (levels + delta) / span, 0.0)
-        q = np.clip(np.rint((x - lo[:, None]) * inverse[:, None]), 0, levels)
-        scale, offset = _least_squares_affine(x, q)
-        err = np.square(scale[:, None] * q + offset[:, None] - x).sum(-1)
+            inverse = np.where(span > 0, (levels + delta) / span, 0.0).astype(np.float32)
+        q = np.rint(shifted * inverse[:, None])
+        np.clip(q, 0, levels, out=q)
+        sq, sqq, sqx = q.sum(-1, dtype=np.float64), _row_dot(q, q), _row_dot(q, x)
+        det = n * sqq - sq * sq
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scale = np.where(det > 0, (n * sqx - sq * sx) / det, 0.0)
+            offset = np.where(det > 0, (sqq * sx - sq * sqx) / det, sx / n)
+            origin_scale = np.where(sqq > 0, sqx / sqq, 0.0)
+        positive = offset > 0
+        scale = np.maximum(np.where(positive, origin_scale, scale), 0.0)
+        offset = np.where(positive, 0.0, offset)
+        err = scale * scale * sqq + 2 * scale * offset * sq + n * offset * offset - 2 * scale * sqx - 2 * offset * sx + sxx
         better = err < best_err
         best_err = np.where(better, err, best_err)
         best_scale = np.where(better, scale, best_scale)
@@ -71,13 +75,14 @@ def _search_symmetric(x: np.ndarray) -> np.ndarray:
     """Signed scale per row of x [N, 16] for quants −32..31, least squared error. The value of
     largest magnitude is mapped near −32, the side with one more level."""
     peak = np.take_along_axis(x, np.abs(x).argmax(-1)[:, None], -1)[:, 0]
-    sxx = (x * x).sum(-1)
+    sxx = _row_dot(x, x)
     best_err, best_scale = sxx.copy(), np.zeros(x.shape[0])
     for levels in _SYMMETRIC_LEVELS:
         with np.errstate(divide="ignore", invalid="ignore"):
-            inverse = np.where(peak != 0, -levels / peak, 0.0)
-        q = np.clip(np.rint(x * inverse[:, None]), -32, 31)
-        sqx, sqq = (q * x).sum(-1), (q * q).sum(-1)
+            inverse = np.where(peak != 0, -levels / peak, 0.0).astype(np.float32)
+        q = np.rint(x * inverse[:, None])
+        np.clip(q, -32, 31, out=q)
+        sqx, sqq = _row_dot(q, x), _row_dot(q, q)
         with np.errstate(divide="ignore", invalid="ignore"):
             scale = np.where(sqq > 0, sqx / sqq, 0.0)
         err = sxx - scale * sqx  # squared error of the least-squares scale
@@ -111,7 +116,7 @@ def _encode_affine(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray, 
     """Super-blocks x [n, 256] -> (d and dmin as fp16 bytes [n, 4], packed scales [n, 12],
     quants [n, 8, 32])."""
     n = x.shape[0]
-    sub = x.reshape(n * 8, 32).astype(np.float64)
+    sub = x.reshape(n * 8, 32)
     scale, offset = _search_affine(sub, levels)
     scale, mins = scale.reshape(n, 8), -offset.reshape(n, 8)
     d = _fp16(scale.max(-1) / 63)
@@ -145,7 +150,7 @@ def _encode_q5_k(x: np.ndarray) -> np.ndarray:
 
 def _encode_q6_k(x: np.ndarray) -> np.ndarray:
     n = x.shape[0]
-    sub = x.reshape(n * 16, 16).astype(np.float64)
+    sub = x.reshape(n * 16, 16)
     scale = _search_symmetric(sub).reshape(n, 16)
     # The sub-block scale of largest magnitude becomes int8 code −128.
     peak = np.take_along_axis(scale, np.abs(scale).argmax(-1)[:, None], -1)[:, 0]
@@ -175,7 +180,12 @@ def quantize_k(array: np.ndarray, ggml_type: T) -> np.ndarray:
     blocks_per_row = rows.shape[1] // QK_K
     out = np.empty((rows.shape[0], blocks_per_row * GGML_QUANT_SIZES[ggml_type][1]), dtype=np.uint8)
     step = max(1, _CHUNK_VALUES // rows.shape[1])
-    for start in range(0, rows.shape[0], step):
+
+    def encode_chunk(start: int) -> None:
         chunk = rows[start:start + step]
         out[start:start + step] = encoder(chunk.reshape(-1, QK_K)).reshape(chunk.shape[0], -1)
+
+    # numpy releases the GIL in its array loops, so chunks encode in parallel on threads.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(encode_chunk, range(0, rows.shape[0], step)))
     return out.reshape(*array.shape[:-1], -1)
