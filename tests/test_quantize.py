@@ -9,6 +9,7 @@ import torch
 from gguf import GGUFReader, quants
 from gguf import GGMLQuantizationType as T
 
+from powerinfer import cli
 from powerinfer.convert.encode import parse_outtype
 from powerinfer.convert.hf import convert_hf
 from powerinfer.convert.model import gguf_source, write_model
@@ -57,9 +58,9 @@ def llama_cpp_q4_k_m(name: str, tied: bool = False) -> T:
 
 
 def quantize(source, target, kind: str, *flags: str) -> GGUFReader | None:
-    """`powerinfer quantize`, and the `gguf` package's reading of a GGUF result (None for PWRI)."""
-    result = powerinfer("quantize", str(source), str(target), kind, *flags)
-    assert result.returncode == 0, result.stderr
+    """`powerinfer quantize` (in this process; the error tests run the real command), and the
+    `gguf` package's reading of a GGUF result (None for PWRI)."""
+    assert cli.main(["quantize", str(source), str(target), kind, *flags]) == 0
     return None if open_gguf(target).is_powerinfer else GGUFReader(target)
 
 
