@@ -106,6 +106,11 @@ def add_calibration_options(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--target-error", type=positive_float, help="SiLU/GELU models: max mean relative FFN error")
 
 
+def add_force_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing output (in a folder, only the files this command writes)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="powerinfer", description="LLM inference on GGUF models with activation sparsity.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
@@ -139,6 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 = any free port)")
     serve.add_argument("-np", "--parallel", type=positive_int, default=4,
                        help="sequences decoded together (KV-cache slots); more requests wait in a queue (default: 4)")
+    serve.add_argument("--max-body-size", type=positive_int, default=8 * 1024 * 1024, metavar="BYTES",
+                       help="largest request body accepted; larger ones get 413 (default: 8 MiB)")
+    serve.add_argument("--allowed-hosts", metavar="NAMES",
+                       help="comma-separated names the Host header may carry, '*' for any "
+                            "(default: loopback names when --host is a loopback address, else any)")
+    serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' (repeat for several keys)")
+    serve.add_argument("--api-key-file", metavar="FILE", help="file of API keys, one a line")
+    serve.add_argument("--watchdog", type=positive_float, default=120.0, metavar="SECONDS",
+                       help="/health answers 503 when queued work has waited this long for a scheduler step (default: 120)")
     ppl = commands.add_parser("perplexity", help="perplexity of a text file (llama.cpp's method)")
     add_model_options(ppl)
     ppl.add_argument("-f", "--file", required=True, help="text file (e.g. wikitext-2 test.txt)")
@@ -147,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(profile, ctx=False, sparsity=False)
     add_calibration_options(profile)
     profile.add_argument("-o", "--output", required=True, help="output directory (gets activation/)")
+    add_force_option(profile)
 
     train = commands.add_parser("train-predictors", help="train per-layer activation predictors (PowerInfer's format)")
     add_model_options(train, ctx=False, sparsity=False)
@@ -156,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--ranks", type=rank_list, default=(32, 64, 128, 256, 512),
                        help="candidate predictor ranks, tried from the smallest up until a larger one gains under 2 points of sparsity (default: 32,64,128,256,512)")
     train.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps per fit (default: 1000)")
+    add_force_option(train)
 
     convert = commands.add_parser("convert", help="Hugging Face folder or GGUF -> GGUF (PowerInfer GGUF with predictors)")
     convert.add_argument("source", help="Hugging Face checkpoint folder, GGUF or PowerInfer GGUF file")
@@ -163,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--outfile", required=True, help="output file")
     convert.add_argument("--outtype", help="f32, f16, q8_0, q4_0 or q4_1 (default: f16 from Hugging Face, "
                                            "the source's types from GGUF)")
+    add_force_option(convert)
 
     quantize = commands.add_parser("quantize", help="re-encode a (PowerInfer) GGUF's weights (Q4_0 ... Q6_K, llama.cpp's K-quant mixes)")
     quantize.add_argument("input", help="GGUF or PowerInfer GGUF file")
@@ -172,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "output Q6_K, predictors Q4_0)")
     quantize.add_argument("--allow-requantize", action="store_true",
                           help="also re-encode matrices that are already quantized (adds a second rounding error)")
+    add_force_option(quantize)
 
     place = commands.add_parser("place", help="solve which FFN neurons go to the accelerator for a VRAM budget")
     place.add_argument("-m", "--model", required=True, help="GGUF or PowerInfer GGUF file")
@@ -186,10 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     cpu.add_argument("--measure", action="store_true", help="measure this machine's CPU memory bandwidth instead")
     place.add_argument("--accelerator-bandwidth", type=positive_float, default=700.0, metavar="GB/s", help="default: 700")
     place.add_argument("--sync-us", type=non_negative_float, default=30.0, help="per-layer round trip in microseconds (default: 30)")
+    add_force_option(place)
 
     inspect = commands.add_parser("inspect", help="plot activation statistics (the power-law figure)")
     inspect.add_argument("--activations", required=True, help="profile directory (with activation/)")
-    inspect.add_argument("-o", "--output", required=True, help="image file (.png)")
+    inspect.add_argument("-o", "--output", required=True, help="image file (.png, .svg, .pdf, ...)")
+    add_force_option(inspect)
     return parser
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
-from powerinfer.errors import UnsupportedModelError
+from powerinfer.errors import ModelFileError, UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
 
 
@@ -41,9 +43,19 @@ HF_GATED_ACTIVATIONS = {
     "gelu_pytorch_tanh": FFNActivation.GELU_GATED,
 }
 
-LLAMA_FAMILY = ("llama", "bamboo")
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + ("falcon", "opt")
-OPT_POSITION_OFFSET = 2  # OPT's learned position table starts with two unused rows
+RMS_NORM_EPS_KEY = "attention.layer_norm_rms_epsilon"  # RMSNorm models' eps (llama family)
+LAYER_NORM_EPS_KEY = "attention.layer_norm_epsilon"  # LayerNorm models' eps (Falcon, OPT)
+
+
+@dataclass(frozen=True)
+class ArchitectureDefaults:
+    """What a GGUF of one architecture leaves unsaid, as llama.cpp and PowerInfer read it: which key
+    holds its norm's eps, and its FFN activation when the file names none (`powerinfer_activation`
+    in a PowerInfer GGUF, whose sparse models are the ReLU variants)."""
+
+    norm_eps_key: str
+    activation: FFNActivation
+    powerinfer_activation: FFNActivation
 
 
 @dataclass(frozen=True)
@@ -73,33 +85,27 @@ class ModelConfig:
         return self.n_head_kv * self.head_dim
 
     @classmethod
-    def from_gguf(cls, gguf: GGUFFile) -> "ModelConfig":
+    def from_gguf(cls, gguf: GGUFFile, defaults: ArchitectureDefaults) -> ModelConfig:
+        """The configuration a file of a known architecture states (`powerinfer.models.read_config`
+        finds the architecture's defaults)."""
         arch = gguf.require("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"{gguf.path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
 
         def key(name: str, default=None):
             value = gguf.get(f"{arch}.{name}", default)
             if value is None:
                 return gguf.require(f"{arch}.{name}")
-            return value
+            return _finite_number(gguf, f"{arch}.{name}", value)
 
         n_embd = int(key("embedding_length"))
         n_head = int(key("attention.head_count"))
-        head_dim = int(key("attention.key_length", n_embd // n_head))
+        head_dim = int(key("attention.key_length", n_embd // n_head if n_head > 0 else 0))  # n_head checked below
         tokens = gguf.get("tokenizer.ggml.tokens")
-        n_vocab = int(gguf.get(f"{arch}.vocab_size") or (len(tokens) if tokens else gguf.tensor("token_embd.weight").shape[0]))
-        n_ctx_train = int(key("context_length", 2048))
-        if arch == "opt":  # PowerInfer writes 2050, the position table's rows, of which 2 are unused
-            n_ctx_train = min(n_ctx_train, gguf.tensor("position_embd.weight").shape[0] - OPT_POSITION_OFFSET)
-        # the llama family's RMSNorm eps, or Falcon's and OPT's LayerNorm eps
-        eps_key = "attention.layer_norm_rms_epsilon" if arch in LLAMA_FAMILY else "attention.layer_norm_epsilon"
+        n_vocab = int(key("vocab_size", 0) or (len(tokens) if isinstance(tokens, list) and tokens
+                                             else gguf.tensor("token_embd.weight").shape[0]))
         scaling = gguf.get(f"{arch}.rope.scaling.type", "none")
         if scaling not in ("none", "linear"):
             raise UnsupportedModelError(f"{gguf.path}: unsupported RoPE scaling {scaling!r}")
-        return cls(
+        config = cls(
             architecture=arch,
             name=str(gguf.get("general.name", gguf.path.stem)),
             n_layers=int(key("block_count")),
@@ -109,29 +115,68 @@ class ModelConfig:
             n_head_kv=int(key("attention.head_count_kv", n_head)),
             head_dim=head_dim,
             n_vocab=n_vocab,
-            n_ctx_train=n_ctx_train,
+            n_ctx_train=int(key("context_length", 2048)),
             rope_dim=int(key("rope.dimension_count", head_dim)),
             rope_freq_base=float(key("rope.freq_base", 10000.0)),
             rope_scale=float(key("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
-            norm_eps=float(key(eps_key, 1e-5)),
-            activation=_activation(gguf, arch),
+            norm_eps=float(key(defaults.norm_eps_key, 1e-5)),
+            activation=_activation(gguf, defaults),
         )
+        check_config(config, gguf)
+        return config
 
 
-def _activation(gguf: GGUFFile, arch: str) -> FFNActivation:
+def _finite_number(gguf: GGUFFile, key: str, value: Any) -> int | float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ModelFileError(f"{gguf.path}: metadata {key} is {_short(value)}, not a finite number")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_config(config: ModelConfig, gguf: GGUFFile) -> None:
+    """Refuse hyper-parameters no model can have (one line naming the first) before anything is
+    sized or divided by them: a zero head count would otherwise fail at the first token with a
+    traceback. (Tensor shapes are checked against the config where the model is built.)"""
+    c = config
+    checks = [
+        (c.n_layers > 0, f"block_count {c.n_layers} must be > 0"),
+        (c.n_embd > 0, f"embedding_length {c.n_embd} must be > 0"),
+        (c.n_ff > 0, f"feed_forward_length {c.n_ff} must be > 0"),
+        (c.n_head > 0, f"attention.head_count {c.n_head} must be > 0"),
+        (c.n_head_kv > 0, f"attention.head_count_kv {c.n_head_kv} must be > 0"),
+        (c.n_head_kv <= 0 or c.n_head % c.n_head_kv == 0,
+         f"attention.head_count {c.n_head} is not a multiple of attention.head_count_kv {c.n_head_kv}"),
+        (c.head_dim > 0, f"attention.key_length {c.head_dim} must be > 0 (or embedding_length "
+                         f"{c.n_embd} a multiple of attention.head_count {c.n_head})"),
+        (gguf.get(f"{c.architecture}.attention.key_length") is not None or c.n_embd == c.n_head * c.head_dim,
+         f"embedding_length {c.n_embd} is not a multiple of attention.head_count {c.n_head}"),
+        (0 < c.rope_dim <= c.head_dim and c.rope_dim % 2 == 0,
+         f"rope.dimension_count {c.rope_dim} must be even and in 1..{c.head_dim} (the head size)"),
+        (c.n_ctx_train > 0, f"context_length {c.n_ctx_train} must be > 0"),
+        (c.n_vocab > 0, f"vocab_size {c.n_vocab} must be > 0"),
+        (c.rope_freq_base > 0, f"rope.freq_base {c.rope_freq_base} must be > 0"),
+        (c.rope_scale > 0, f"rope.scaling.factor {c.rope_scale} must be > 0"),
+        (c.norm_eps > 0, f"the norm epsilon {c.norm_eps} must be > 0"),
+    ]
+    for ok, problem in checks:
+        if not ok:
+            raise ModelFileError(f"{gguf.path}: invalid {c.architecture} metadata: {problem}")
+    tokens = gguf.get("tokenizer.ggml.tokens")
+    if tokens is not None and (not isinstance(tokens, list) or len(tokens) != c.n_vocab):
+        count = len(tokens) if isinstance(tokens, list) else "no list of"
+        raise ModelFileError(f"{gguf.path}: invalid {c.architecture} metadata: vocab_size {c.n_vocab} but "
+                             f"{count} tokens in tokenizer.ggml.tokens")
+
+
+def _activation(gguf: GGUFFile, defaults: ArchitectureDefaults) -> FFNActivation:
     stored = gguf.get(ACTIVATION_KEY)
-    if stored is not None:
-        try:
-            return FFNActivation(stored)
-        except ValueError:
-            raise UnsupportedModelError(f"{gguf.path}: unsupported FFN activation {stored!r}") from None
-    if arch == "bamboo":
-        return FFNActivation.DRELU
-    if arch == "opt":
-        return FFNActivation.RELU
-    if arch == "falcon":  # PowerInfer's sparse Falcon is ReLU-Falcon; llama.cpp's Falcon is GELU
-        return FFNActivation.RELU if gguf.is_powerinfer else FFNActivation.GELU
-    if gguf.is_powerinfer:
-        # PowerInfer's sparse llama models are ReLU-Llama (ReGLU); it never stored the activation.
-        return FFNActivation.RELU_GATED
-    return FFNActivation.SILU_GATED
+    if stored is None:
+        return defaults.powerinfer_activation if gguf.is_powerinfer else defaults.activation
+    try:
+        return FFNActivation(stored)
+    except ValueError:
+        raise UnsupportedModelError(f"{gguf.path}: unsupported FFN activation {stored!r}") from None

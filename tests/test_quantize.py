@@ -14,10 +14,10 @@ from powerinfer.convert.encode import parse_outtype
 from powerinfer.convert.hf import convert_hf
 from powerinfer.convert.model import gguf_source, write_model
 from powerinfer.gguf import open_gguf
-from powerinfer.models.ffn import SPARSE_THRESHOLD_KEY
+from powerinfer.models.predictor import SPARSE_THRESHOLD_KEY
 from powerinfer.sparsity.predictors import PredictorDirectory
-from tests.conftest import make_tiny_llama
-from tests.test_cli import assert_one_line_error, powerinfer
+from conftest import make_tiny_llama
+from test_cli import assert_one_line_error, powerinfer
 
 N_LAYERS = 8
 # llama.cpp's "more bits" layers for 8 layers: the first and last eighth (0, 7) and every third

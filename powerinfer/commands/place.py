@@ -6,9 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from powerinfer.config import ModelConfig
+from powerinfer.models import read_config
 from powerinfer.gguf.reader import open_gguf
 from powerinfer.llm import DEFAULT_N_CTX
+from powerinfer.outputs import check_output_file
 from powerinfer.placement.costs import GiB, Speeds, dense_parts, measure_cpu_bandwidth, model_shape
 from powerinfer.placement.gpu_index import index_path, write_gpu_index
 from powerinfer.placement.planner import load_statistics, place_dense, plan_table, stderr_note
@@ -17,7 +18,10 @@ from powerinfer.placement.solver import plan_from_counts
 
 def main(args: argparse.Namespace) -> int:
     gguf = open_gguf(args.model)
-    config = ModelConfig.from_gguf(gguf)
+    output = None
+    if args.write_index is not None:
+        output = check_output_file(args.write_index or index_path(args.model), args.force)
+    config = read_config(gguf)
     n_ctx = args.ctx_size or min(DEFAULT_N_CTX, config.n_ctx_train)
     shape = model_shape(gguf, config, "cuda")
     cpu_bandwidth = measure_cpu_bandwidth() if args.measure else (args.cpu_bandwidth or 24.0) * 1e9
@@ -37,10 +41,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"speeds: CPU {speeds.cpu_bandwidth / 1e9:.1f} GB/s{' (measured)' if args.measure else ''}, "
           f"accelerator {speeds.accelerator_bandwidth / 1e9:.0f} GB/s, sync {speeds.sync_seconds * 1e6:.0f} us/layer")
     print(f"plan: {plan.summary()}; split layers: {_ranges(plan.split_layers)}")
-    if args.write_index is not None:
-        path = Path(args.write_index) if args.write_index else index_path(args.model)
-        write_gpu_index(path, plan)
-        print(f"wrote {path}", file=sys.stderr)
+    if output is not None:
+        write_gpu_index(output, plan, replace=args.force)
+        print(f"wrote {output}", file=sys.stderr)
     return 0
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from powerinfer.commands.run import load_llm
 from powerinfer.errors import PowerInferError
-from powerinfer.sparsity.profiler import profile_activations
+from powerinfer.outputs import check_output_dir
+from powerinfer.sparsity.profiler import ACTIVATION_FILES, profile_activations
 
 
 def read_text(path: str) -> str:
@@ -19,12 +20,13 @@ def read_text(path: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_output_dir(Path(args.output) / "activation", ACTIVATION_FILES, args.force)
     text = read_text(args.file)
     args.ctx_size, args.dtype = args.chunk, "auto"
     llm = load_llm(args)
     ids = llm.tokenize(text, add_bos=False)
     profile = profile_activations(llm.model, ids, args.tokens, args.chunk, args.target_sparsity, args.target_error)
-    profile.save(args.output)
+    profile.save(args.output, replace=args.force)
     sparsity = profile.sparsity
     print(f"profiled {profile.tokens} tokens; mean sparsity {sum(sparsity) / len(sparsity):.1%} "
           f"(layers {min(sparsity):.1%} .. {max(sparsity):.1%}); wrote {Path(args.output) / 'activation'}", file=sys.stderr)

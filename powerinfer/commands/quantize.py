@@ -10,6 +10,7 @@ from powerinfer.convert.model import gguf_source, write_model
 from powerinfer.errors import PowerInferError
 from powerinfer.gguf import GGUFFile, open_gguf
 from powerinfer.ops.quant import FLOAT_TYPES
+from powerinfer.outputs import check_output_file
 
 
 def check_requantize(gguf: GGUFFile, allow: bool) -> None:
@@ -23,7 +24,8 @@ def check_requantize(gguf: GGUFFile, allow: bool) -> None:
 
 def main(args: argparse.Namespace) -> int:
     mix = parse_mix(args.type)
+    check_output_file(args.output, args.force)
     check_requantize(open_gguf(args.input), args.allow_requantize)
-    write_model(gguf_source(args.input), args.output, mix)
+    write_model(gguf_source(args.input), args.output, mix, replace=args.force)
     print(f"wrote {args.output} ({mix.name})", file=sys.stderr)
     return 0

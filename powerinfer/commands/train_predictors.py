@@ -8,7 +8,8 @@ from statistics import mean
 
 from powerinfer.commands.profile import read_text
 from powerinfer.commands.run import load_llm
-from powerinfer.sparsity.predictors import LayerReport, TrainingOptions, save_predictors, train_predictors
+from powerinfer.outputs import check_output_dir
+from powerinfer.sparsity.predictors import PREDICTOR_FILES, LayerReport, TrainingOptions, save_predictors, train_predictors
 from powerinfer.sparsity.profiler import calibration_chunks, firing_thresholds
 
 
@@ -18,6 +19,7 @@ def _row(r: LayerReport) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_output_dir(args.output, PREDICTOR_FILES, args.force)
     text = read_text(args.file)
     args.ctx_size, args.dtype = args.chunk, "auto"
     llm = load_llm(args)
@@ -27,7 +29,7 @@ def main(args: argparse.Namespace) -> int:
     options = TrainingOptions(recall=args.recall, ranks=args.ranks, steps=args.steps)
     predictors, reports = train_predictors(llm.model, ids, thresholds, args.tokens, args.chunk, options)
     save_predictors(args.output, predictors, reports,
-                    None if llm.config.activation.is_relu_family else thresholds)
+                    None if llm.config.activation.is_relu_family else thresholds, replace=args.force)
     print("held-out results per layer:\n"
           "| layer | rank | recall | precision | true sparsity | predicted sparsity |\n"
           "| ----: | ---: | -----: | --------: | ------------: | -----------------: |")

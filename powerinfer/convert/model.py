@@ -19,16 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, quants
+from gguf import GGMLQuantizationType, GGUFValueType, quants
 from tqdm import tqdm
 
-from powerinfer.config import ACTIVATION_KEY, ModelConfig
+from powerinfer.config import ACTIVATION_KEY
 from powerinfer.convert.encode import FILE_TYPES, encode_tensor
 from powerinfer.convert.mixes import Mix, ModelFacts
 from powerinfer.errors import PowerInferError
-from powerinfer.gguf.reader import GGUFTensor, open_gguf, tolerant_reader
+from powerinfer.gguf.reader import GGUFTensor, open_gguf
 from powerinfer.gguf.writer import TensorData, write_gguf
-from powerinfer.models.ffn import ACTIVATION_THRESHOLDS_KEY, LAYER_THRESHOLDS_KEY, SPARSE_THRESHOLD_KEY
+from powerinfer.models import read_config
+from powerinfer.models.ffn import ACTIVATION_THRESHOLDS_KEY
+from powerinfer.models.predictor import LAYER_THRESHOLDS_KEY, SPARSE_THRESHOLD_KEY
 from powerinfer.sparsity.predictors import PredictorDirectory
 
 T = GGMLQuantizationType
@@ -59,13 +61,8 @@ class ModelSource:
 def gguf_source(path: str | Path) -> ModelSource:
     """A GGUF or PowerInfer GGUF file as a conversion source; metadata keep their exact types."""
     gguf = open_gguf(path)  # validates the file with one-line errors
-    reader: GGUFReader = tolerant_reader(gguf.path)
-    typed: dict[str, TypedValue] = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-        typed[name] = (field.contents(), field.types[0], sub_type)
+    typed: dict[str, TypedValue] = {name: (value, *gguf.value_types[name]) for name, value in gguf.metadata.items()
+                                    if name != "general.architecture"}
     arch = gguf.require("general.architecture")
     n_layers, n_embd, n_ff = (int(gguf.require(f"{arch}.{k}")) for k in ("block_count", "embedding_length", "feed_forward_length"))
     n_head, n_head_kv = gguf.get(f"{arch}.attention.head_count"), gguf.get(f"{arch}.attention.head_count_kv")
@@ -74,7 +71,7 @@ def gguf_source(path: str | Path) -> ModelSource:
                        llama_70b=arch == "llama" and n_layers == 80 and n_head_kv is not None and n_head != n_head_kv)
     # The activation as this file implies it, stored explicitly: a llama GGUF without the key is
     # SiLU, but a PowerInfer GGUF without it would read as ReLU-Llama.
-    metadata = {} if ACTIVATION_KEY in typed else {ACTIVATION_KEY: ModelConfig.from_gguf(gguf).activation.value}
+    metadata = {} if ACTIVATION_KEY in typed else {ACTIVATION_KEY: read_config(gguf).activation.value}
     return ModelSource(gguf.path, arch, metadata, typed, iter(gguf.tensors.items()), n_layers, n_embd, n_ff,
                        has_predictors="blk.0.fc1.weight" in gguf.tensors, facts=facts)
 
@@ -140,10 +137,10 @@ def _output_tensors(source: ModelSource, outtype: T | Mix | None, predictors: Pr
 
 
 def write_model(source: ModelSource, outfile: str | Path, outtype: T | Mix | None = None,
-                predictors: PredictorDirectory | None = None, progress: bool = True) -> None:
-    """Write `source` to `outfile` (atomically): GGUF, or PowerInfer GGUF with `predictors`.
-    `outtype`: one type for every matrix but the predictors, a quantization mix, or None to keep
-    the source's types."""
+                predictors: PredictorDirectory | None = None, progress: bool = True, replace: bool = True) -> None:
+    """Write `source` to `outfile` (atomically; over an existing file only when `replace`): GGUF, or
+    PowerInfer GGUF with `predictors`. `outtype`: one type for every matrix but the predictors, a
+    quantization mix, or None to keep the source's types."""
     metadata, typed = dict(source.metadata), dict(source.typed_metadata)
     if outtype is not None:
         typed.pop("general.file_type", None)
@@ -158,4 +155,4 @@ def write_model(source: ModelSource, outfile: str | Path, outtype: T | Mix | Non
         if predictors.activation_thresholds is not None:
             metadata[ACTIVATION_THRESHOLDS_KEY] = [float(t) for t in predictors.activation_thresholds]
     write_gguf(outfile, source.architecture, metadata, _output_tensors(source, outtype, predictors, progress),
-               powerinfer=predictors is not None or source.has_predictors, typed_metadata=typed)
+               powerinfer=predictors is not None or source.has_predictors, typed_metadata=typed, replace=replace)
