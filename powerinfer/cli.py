@@ -182,10 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
                                            "the source's types from GGUF)")
     add_force_option(convert)
 
-    quantize = commands.add_parser("quantize", help="re-encode a (PowerInfer) GGUF's weights as Q4_0, Q4_1 or Q8_0")
+    quantize = commands.add_parser("quantize", help="re-encode a (PowerInfer) GGUF's weights (Q4_0 ... Q6_K, llama.cpp's K-quant mixes)")
     quantize.add_argument("input", help="GGUF or PowerInfer GGUF file")
     quantize.add_argument("output", help="output file")
-    quantize.add_argument("type", help="Q4_0, Q4_1 or Q8_0")
+    quantize.add_argument("type", help="Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (every matrix that type); Q4_K_S, Q4_K_M, "
+                                       "Q5_K_S, Q5_K_M (llama.cpp's mixes); POWERINFER_Q4_0 (PowerInfer's: Q4_0, "
+                                       "output Q6_K, predictors Q4_0)")
+    quantize.add_argument("--allow-requantize", action="store_true",
+                          help="also re-encode matrices that are already quantized (adds a second rounding error)")
     add_force_option(quantize)
 
     place = commands.add_parser("place", help="solve which FFN neurons go to the accelerator for a VRAM budget")
