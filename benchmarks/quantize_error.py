@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -28,7 +26,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, quants
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_engines import LLAMA_CPP_PYTHON, ensure_llama_cpp  # noqa: E402
+from common import LLAMA_CPP_PYTHON, ensure_llama_cpp, machine_description  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "quantize_error.md"
@@ -107,13 +105,6 @@ def compare(source: Path, ours: Path, theirs: Path) -> tuple[list[tuple], list[s
     return rows, differences
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
 def main() -> int:
     ensure_llama_cpp()
     import llama_cpp
@@ -121,7 +112,7 @@ def main() -> int:
     silence = llama_cpp.llama_log_callback(lambda level, text, data: None)
     llama_cpp.llama_log_set(silence, ctypes.c_void_p(0))
     lines = [f"# Quantization error: ours vs llama.cpp ({datetime.date.today()})", "",
-             f"`.venv/bin/python benchmarks/quantize_error.py` on {cpu_name()} ({os.cpu_count()} threads), "
+             f"`.venv/bin/python benchmarks/quantize_error.py` on {machine_description()}, "
              f"llama.cpp from {LLAMA_CPP_PYTHON} (`llama_model_quantize`, no importance matrix).",
              "RMS error of the decoded weights against the F16 source, over all tensors of a type.", ""]
     with tempfile.TemporaryDirectory() as tmp:
