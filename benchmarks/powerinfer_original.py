@@ -82,10 +82,11 @@ def powerinfer_run(main: Path, model: Path, prompt: str, n_gen: int, threads: in
     process's peak as well (Linux carries the high-water mark over fork and exec)."""
     command = [str(main), "-m", str(model), "-p", prompt, "-n", str(n_gen), "-t", str(threads), "-tb", str(threads),
                "-c", str(n_ctx), "--temp", "0", "--repeat-penalty", "1.0", "--ignore-eos", "--seed", "0"]
-    with tempfile.NamedTemporaryFile("r") as rss:
-        result = subprocess.run([GNU_TIME, "-f", "%M", "-o", rss.name, *command], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
-        peak_kib = rss.read().split()[-1]
+    with tempfile.TemporaryDirectory() as scratch:  # its working folder: main writes main.log there
+        rss = Path(scratch) / "peak-rss"
+        result = subprocess.run([GNU_TIME, "-f", "%M", "-o", str(rss), *command], cwd=scratch,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        peak_kib = rss.read_text().split()[-1] if rss.exists() else "0"
     found, prompt_tokens = EVAL_LINE.search(result.stderr), PROMPT_LINE.search(result.stderr)
     if result.returncode != 0 or found is None or prompt_tokens is None:
         sys.exit(f"PowerInfer's main failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
@@ -187,7 +188,7 @@ def section(args, machine: str, prompt_tokens: int, original: Runs, ours: Ours, 
         f"CMake `{' '.join(upstream.cmake_flags())}`.",
         f"File: `{args.model.name}` ({args.model.stat().st_size / 2**20:.0f} MiB), made by PowerInfer's convert.py and",
         f"`quantize ... Q4_0`: {types}.",
-        f"{args.threads} threads; prompt \"{args.prompt}\" ({prompt_tokens} tokens for PowerInfer, "
+        f"{args.threads} thread{'s' if args.threads > 1 else ''}; prompt \"{args.prompt}\" ({prompt_tokens} tokens for PowerInfer, "
         f"{len(ours.llm.tokenize(args.prompt))} for powerinfer); {args.n_gen} greedy tokens, i.e. {args.n_gen - 1} "
         f"single-token decode steps per run; medians of {args.reps} interleaved repetitions after one warm-up each.",
         f"powerinfer's predictors chose {ours.active_share():.1%} of the FFN neurons per token on average "
