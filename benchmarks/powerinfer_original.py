@@ -8,8 +8,10 @@ by its own converter and quantizer (`powerinfer_upstream.make_model`: a 7B-width
 llama, Q4_0 with a Q6_K output and Q4_0 predictors, ~10 % of neurons predicted active) unless
 `--model` names one that exists.
 
-Both engines run the same file, the same prompt, greedy (EOS banned, as PowerInfer's
---ignore-eos; no repetition penalty), `--threads` threads, `--n-gen` tokens:
+Both engines run the same file, the same prompt tokens, greedy (EOS banned, as PowerInfer's
+--ignore-eos; no repetition penalty), `--threads` threads, `--n-gen` tokens. PowerInfer's main
+tokenizes the first word without SentencePiece's leading space ('Once' where llama's tokenizer and
+ours give ' Once'), so ours is given the ids PowerInfer reports (--verbose-prompt).
 - PowerInfer: its `main`, one process per repetition, as its README runs it (the file memory-mapped);
   decode speed from its own "eval time" line (the single-token steps after the prompt, which it
   counts as runs); its peak RSS from GNU time;
@@ -55,7 +57,7 @@ TITLE = "# Sparse decode: the original PowerInfer vs powerinfer"
 PARTS = ("attention", "predictors (fc1, fc2)", "FFN neurons (active share)", "output")
 EVAL_LINE = re.compile(r"^llama_print_timings:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", re.M)
 GNU_TIME = "/usr/bin/time"  # apt-get install time
-PROMPT_LINE = re.compile(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens")
+PROMPT_TOKEN_LINE = re.compile(r"^\s*(\d+) -> '", re.M)  # --verbose-prompt: "  9038 -> ' Once'"
 
 
 @dataclass
@@ -75,22 +77,23 @@ class Runs:
 
 # ---------------------------------------------------------------- the original PowerInfer
 
-def powerinfer_run(main: Path, model: Path, prompt: str, n_gen: int, threads: int, n_ctx: int) -> tuple[float, int, int, int]:
-    """One `main` run: (decode seconds, decode steps, prompt tokens, peak RSS bytes).
+def powerinfer_run(main: Path, model: Path, prompt: str, n_gen: int, threads: int,
+                   n_ctx: int) -> tuple[float, int, list[int], int]:
+    """One `main` run: (decode seconds, decode steps, its prompt's token ids, peak RSS bytes).
 
     Its peak RSS comes from GNU time: a child forked from this process would report this
     process's peak as well (Linux carries the high-water mark over fork and exec)."""
     command = [str(main), "-m", str(model), "-p", prompt, "-n", str(n_gen), "-t", str(threads), "-tb", str(threads),
-               "-c", str(n_ctx), "--temp", "0", "--repeat-penalty", "1.0", "--ignore-eos", "--seed", "0"]
+               "-c", str(n_ctx), "--temp", "0", "--repeat-penalty", "1.0", "--ignore-eos", "--seed", "0", "--verbose-prompt"]
     with tempfile.TemporaryDirectory() as scratch:  # its working folder: main writes main.log there
         rss = Path(scratch) / "peak-rss"
         result = subprocess.run([GNU_TIME, "-f", "%M", "-o", str(rss), *command], cwd=scratch,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         peak_kib = rss.read_text().split()[-1] if rss.exists() else "0"
-    found, prompt_tokens = EVAL_LINE.search(result.stderr), PROMPT_LINE.search(result.stderr)
-    if result.returncode != 0 or found is None or prompt_tokens is None:
+    found, prompt_ids = EVAL_LINE.search(result.stderr), [int(i) for i in PROMPT_TOKEN_LINE.findall(result.stderr)]
+    if result.returncode != 0 or found is None or not prompt_ids:
         sys.exit(f"PowerInfer's main failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
-    return float(found.group(1)) / 1e3, int(found.group(2)), int(prompt_tokens.group(1)), int(peak_kib) * 1024
+    return float(found.group(1)) / 1e3, int(found.group(2)), prompt_ids, int(peak_kib) * 1024
 
 
 def file_bytes_per_token(model: Path, active: float) -> dict[str, float]:
@@ -158,7 +161,7 @@ class Ours:
 
 # ---------------------------------------------------------------- report
 
-def section(args, machine: str, prompt_tokens: int, original: Runs, ours: Ours, our_runs: Runs,
+def section(args, machine: str, prompt_ids: list[int], original: Runs, ours: Ours, our_runs: Runs,
             load_after: str) -> str:
     theirs_bytes = file_bytes_per_token(args.model, ours.active_share())
     our_bytes = ours.bytes_per_token()
@@ -188,8 +191,8 @@ def section(args, machine: str, prompt_tokens: int, original: Runs, ours: Ours, 
         f"CMake `{' '.join(upstream.cmake_flags())}`.",
         f"File: `{args.model.name}` ({args.model.stat().st_size / 2**20:.0f} MiB), made by PowerInfer's convert.py and",
         f"`quantize ... Q4_0`: {types}.",
-        f"{args.threads} thread{'s' if args.threads > 1 else ''}; prompt \"{args.prompt}\" ({prompt_tokens} tokens for PowerInfer, "
-        f"{len(ours.llm.tokenize(args.prompt))} for powerinfer); {args.n_gen} greedy tokens, i.e. {args.n_gen - 1} "
+        f"{args.threads} thread{'s' if args.threads > 1 else ''}; prompt \"{args.prompt}\" ({len(prompt_ids)} tokens, as "
+        f"PowerInfer's main tokenized it, fed to both); {args.n_gen} greedy tokens, i.e. {args.n_gen - 1} "
         f"single-token decode steps per run; medians of {args.reps} interleaved repetitions after one warm-up each.",
         f"powerinfer's predictors chose {ours.active_share():.1%} of the FFN neurons per token on average "
         f"(load time {ours.load_seconds:.0f} s).",
@@ -206,16 +209,19 @@ def section(args, machine: str, prompt_tokens: int, original: Runs, ours: Ours, 
 
 
 def write_results(out: Path, new_section: str, label: str) -> None:
-    """Keep the other labels' sections; this label's section is replaced."""
-    kept = []
-    if out.exists():
-        kept = [f"## {chunk.rstrip()}\n" for chunk in out.read_text().split("\n## ")[1:] if not chunk.startswith(f"{label}\n")]
+    """Keep the other labels' sections; this label's section is replaced where it stands, or added last."""
+    sections = [f"## {chunk.rstrip()}\n" for chunk in out.read_text().split("\n## ")[1:]] if out.exists() else []
+    ours = [i for i, text in enumerate(sections) if text.startswith(f"## {label}\n")]
+    if ours:
+        sections[ours[0]] = new_section
+    else:
+        sections.append(new_section)
     intro = (f"{TITLE}\n\nWritten by `benchmarks/powerinfer_original.py` (how it measures: its docstring; PATH below is a "
              "clone of https://github.com/SJTU-IPADS/PowerInfer at the commit named). The issue-13 target: powerinfer's "
              "sparse decode >= 1.3x PowerInfer's on this file, 2 threads. Timings from a loaded machine (see each "
              "section's load average; 2 cores) say little: compare runs made when the load is near 0.\n")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join([intro, *kept, new_section]))
+    out.write_text("\n".join([intro, *sections]))
 
 
 def main() -> None:
@@ -243,14 +249,13 @@ def main() -> None:
                        check=True)
     main_binary = upstream.binary(args.powerinfer, "main")
     ours = Ours(args.model, args.threads, args.n_ctx)
-    prompt_ids = ours.llm.tokenize(args.prompt)
     original, our_runs = Runs(), Runs()
-    prompt_tokens = 0
+    prompt_ids: list[int] = []  # as PowerInfer's main tokenizes the prompt: ours then runs the same ids
     for rep in range(args.reps + 1):
         # alternate who goes first, so that a change in the machine's load hits both alike
-        for engine in ("powerinfer", "ours") if rep % 2 else ("ours", "powerinfer"):
+        for engine in ("ours", "powerinfer") if rep % 2 else ("powerinfer", "ours"):
             if engine == "powerinfer":
-                seconds, steps, prompt_tokens, rss = powerinfer_run(main_binary, args.model, args.prompt, args.n_gen,
+                seconds, steps, prompt_ids, rss = powerinfer_run(main_binary, args.model, args.prompt, args.n_gen,
                                                                     args.threads, args.n_ctx)
                 original.peak_rss = max(original.peak_rss, rss)
                 if rep:
@@ -264,7 +269,7 @@ def main() -> None:
               f"{our_runs.rates()[-1] if rep else float('nan'):.2f} tok/s", file=sys.stderr)
     our_runs.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     load_after = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    text = section(args, machine, prompt_tokens, original, ours, our_runs, load_after)
+    text = section(args, machine, prompt_ids, original, ours, our_runs, load_after)
     print(text)
     write_results(args.out, text, args.label)
     print(f"wrote {args.out}", file=sys.stderr)
