@@ -45,6 +45,22 @@ def test_chat_reads_stdin(default_model):
     assert "Paris" in result.stdout
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only note")
+def test_ngl_without_a_gpu_says_so_in_one_line(default_model, default_llm):
+    result = powerinfer("run", "-m", str(default_model), "-p", "Once upon a time", "-n", "8", "--temp", "0", "-ngl", "99")
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if "-ngl" in line]
+    assert notes == ["powerinfer: no CUDA device: -ngl 99 is ignored and everything runs on the CPU"]
+    assert result.stdout.rstrip("\n") == default_llm.generate("Once upon a time", max_tokens=8, temperature=0)
+
+
+def test_run_cnv_chats(default_model):
+    result = powerinfer("run", "-cnv", "-m", str(default_model), "--temp", "0", "-n", "24",
+                        stdin="Which city is the capital of France?\n")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
 def test_bench_prints_markdown_table(default_model):
     result = powerinfer("bench", "-m", str(default_model), "-p", "16", "-n", "4", "-r", "1")
     assert result.returncode == 0, result.stderr

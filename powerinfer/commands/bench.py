@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from powerinfer.commands.run import load_llm
+from powerinfer.commands.common import load_llm
 from powerinfer.tools.bench import bench_generation, bench_prompt, markdown_table
 
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from powerinfer.cli import sampling_from_args
-from powerinfer.commands.run import load_llm, max_tokens
+from powerinfer.commands.common import load_llm, max_tokens
 
 
 def main(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from powerinfer.commands.common import model_path
 from powerinfer.config import ModelConfig
 from powerinfer.gguf.reader import open_gguf
 from powerinfer.llm import DEFAULT_N_CTX
@@ -16,7 +17,8 @@ from powerinfer.placement.solver import plan_from_counts
 
 
 def main(args: argparse.Namespace) -> int:
-    gguf = open_gguf(args.model)
+    model = model_path(args)
+    gguf = open_gguf(model)
     config = ModelConfig.from_gguf(gguf)
     n_ctx = args.ctx_size or min(DEFAULT_N_CTX, config.n_ctx_train)
     shape = model_shape(gguf, config, "cuda")
@@ -25,7 +27,7 @@ def main(args: argparse.Namespace) -> int:
     parts = dense_parts(gguf, config, n_ctx)
     budget = int(args.vram_budget * GiB)
     dense = place_dense(parts, budget)
-    statistics = load_statistics(Path(args.model), shape, args.activations, stderr_note)
+    statistics = load_statistics(model, shape, args.activations, stderr_note)
     plan = plan_from_counts(statistics.counts, statistics.tokens, shape, budget - dense.bytes_used, speeds,
                             args.group_size)
     print(plan_table(plan, statistics, shape))
@@ -38,7 +40,7 @@ def main(args: argparse.Namespace) -> int:
           f"accelerator {speeds.accelerator_bandwidth / 1e9:.0f} GB/s, sync {speeds.sync_seconds * 1e6:.0f} us/layer")
     print(f"plan: {plan.summary()}; split layers: {_ranges(plan.split_layers)}")
     if args.write_index is not None:
-        path = Path(args.write_index) if args.write_index else index_path(args.model)
+        path = Path(args.write_index) if args.write_index else index_path(model)
         write_gpu_index(path, plan)
         print(f"wrote {path}", file=sys.stderr)
     return 0

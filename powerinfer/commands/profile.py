@@ -6,16 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from powerinfer.commands.run import load_llm
-from powerinfer.errors import PowerInferError
+from powerinfer.commands.common import load_llm, read_text
 from powerinfer.sparsity.profiler import profile_activations
-
-
-def read_text(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        raise PowerInferError(f"cannot read {path}: {getattr(error, 'strerror', None) or error}") from None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -29,14 +29,13 @@ def main(args: argparse.Namespace) -> int:
         from powerinfer.server.app import create_app
     except ImportError as error:
         raise PowerInferError(f"the server needs the 'serve' extra (pip install 'powerinfer[serve]'): {error}") from None
-    from powerinfer.commands.run import load_llm
+    from powerinfer.commands.common import load_llm, model_path
     from powerinfer.config import ModelConfig
     from powerinfer.gguf.reader import open_gguf
-    from powerinfer.hub import resolve_model
 
     # A missing, foreign or unsupported file is refused before the server starts; rarer load
     # failures stop the server once it runs (it answers 503 on /health while loading).
-    ModelConfig.from_gguf(open_gguf(resolve_model(args.model)))
+    ModelConfig.from_gguf(open_gguf(model_path(args)))
     sock = listen(args.host, args.port)
     failures: list[Exception] = []
 

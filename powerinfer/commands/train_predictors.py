@@ -6,8 +6,8 @@ import argparse
 import sys
 from statistics import mean
 
-from powerinfer.commands.profile import read_text
-from powerinfer.commands.run import load_llm
+from powerinfer.commands.common import read_text
+from powerinfer.commands.common import load_llm
 from powerinfer.sparsity.predictors import LayerReport, TrainingOptions, save_predictors, train_predictors
 from powerinfer.sparsity.profiler import calibration_chunks, firing_thresholds
 

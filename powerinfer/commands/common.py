@@ -1,0 +1,71 @@
+"""What several commands share: finding and loading the model, reading text files."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from pathlib import Path
+
+from powerinfer.errors import PowerInferError
+from powerinfer.hub import hf_model_path, resolve_model
+
+
+def model_path(args: argparse.Namespace) -> Path:
+    """The model file that -m, or -hf with --hf-file, names (fetching the default model if needed)."""
+    if getattr(args, "hf_repo", None):
+        return hf_model_path(args.hf_repo, args.hf_file)
+    return resolve_model(args.model, getattr(args, "hf_file", None))
+
+
+def load_llm(args: argparse.Namespace):
+    from powerinfer.llm import LLM
+
+    return LLM(model_path(args), threads=args.threads, n_ctx=getattr(args, "ctx_size", None), dtype=args.dtype,
+               sparsity=getattr(args, "sparsity", "off"), **hybrid_arguments(args), **layer_offload(args, LLM))
+
+
+def layer_offload(args: argparse.Namespace, llm_class: type) -> dict:
+    """LLM's n_gpu_layers keyword from -ngl, where there is a CUDA device and LLM takes it."""
+    import torch
+
+    layers = getattr(args, "n_gpu_layers", None)
+    if not layers:
+        return {}
+    if not torch.cuda.is_available():
+        print(f"powerinfer: no CUDA device: -ngl {layers} is ignored and everything runs on the CPU", file=sys.stderr)
+        return {}
+    if "n_gpu_layers" not in inspect.signature(llm_class.__init__).parameters:
+        print(f"powerinfer: layer offload is not in this build yet: -ngl {layers} is ignored and everything runs "
+              "on the CPU", file=sys.stderr)
+        return {}
+    return {"n_gpu_layers": layers}
+
+
+def hybrid_arguments(args: argparse.Namespace) -> dict:
+    """LLM keywords from the --vram-budget family of flags (absent on some commands)."""
+    gpu_index = "reset" if getattr(args, "reset_gpu_index", False) else \
+        "disable" if getattr(args, "disable_gpu_index", False) else "reuse"
+    return dict(vram_budget=getattr(args, "vram_budget", None), gpu_index=gpu_index,
+                activations=getattr(args, "activations", None), accelerator=getattr(args, "accelerator", None))
+
+
+def max_tokens(n_predict: int, llm) -> int:
+    return llm.n_ctx if n_predict < 0 else n_predict
+
+
+def read_text(path: str) -> str:
+    """A text file's contents, or one line saying why it cannot be read."""
+    try:
+        return Path(path).read_text()
+    except IsADirectoryError:
+        raise PowerInferError(f"{path} is a directory, not a text file") from None
+    except UnicodeDecodeError:
+        raise PowerInferError(f"{path} is not UTF-8 text") from None
+    except OSError as error:
+        raise PowerInferError(f"cannot read {path}: {error.strerror or error}") from None
+
+
+def read_prompt(args: argparse.Namespace) -> str | None:
+    """The text of -p, or of the -f file; None when neither is given."""
+    return args.prompt if args.file is None else read_text(args.file)
