@@ -68,6 +68,16 @@ non_negative_float = number(float, 0)
 unit_interval = number(float, 0, 1, below=True)
 
 
+def int_list(item: Callable[[str], int]) -> Callable[[str], list[int]]:
+    """An argparse type for llama-bench's comma lists (`-p 128,512`)."""
+
+    def parse(text: str) -> list[int]:
+        return [item(part) for part in text.split(",")]
+
+    parse.__name__ = "comma-separated list"
+    return parse
+
+
 def rank_list(text: str) -> tuple[int, ...]:
     try:
         ranks = tuple(sorted({int(part) for part in text.split(",")}))
@@ -186,9 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="measure prompt processing and generation speed (llama-bench style)")
     add_model_options(bench, ctx=False)
-    bench.add_argument("-p", "--n-prompt", type=positive_int, default=512, help="prompt tokens for the pp test (default: 512)")
-    bench.add_argument("-n", "--n-gen", type=positive_int, default=128, help="tokens for the tg test (default: 128)")
+    bench.add_argument("-p", "--n-prompt", type=int_list(non_negative_int), action="extend", metavar="N[,N...]",
+                       help="prompt lengths for the pp tests; 0 = none (default: 512)")
+    bench.add_argument("-n", "--n-gen", type=int_list(non_negative_int), action="extend", metavar="N[,N...]",
+                       help="generation lengths for the tg tests; 0 = none (default: 128)")
     bench.add_argument("-r", "--repetitions", type=positive_int, default=5, help="repetitions of each test (default: 5)")
+    bench.add_argument("-o", "--output", choices=["md", "csv", "json", "jsonl"], default="md",
+                       help="output format on stdout, with llama-bench's field names (default: md)")
 
     serve = commands.add_parser("serve", help="HTTP server: OpenAI-compatible and llama.cpp-style routes, continuous batching")
     add_model_options(serve)
