@@ -62,12 +62,25 @@ class ActivationProfile:
         files = sorted(folder.glob("activation_*.pt"), key=lambda p: int(p.stem.split("_")[-1]))
         if not files:
             raise PowerInferError(f"{directory}: no activation_*.pt files")
-        counts = [torch.load(f, map_location="cpu", weights_only=True).flatten() for f in files]
+        counts = [_load_counts(f) for f in files]
         meta_path = folder / "profile.json"
-        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        try:
+            meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise PowerInferError(f"{meta_path}: not valid JSON ({error})") from None
         return cls(meta.get("activation", "relu"), int(meta.get("tokens", 0)) or int(max(c.max() for c in counts)),
                    list(meta.get("thresholds", [0.0] * len(counts))), counts,
                    meta.get("target_sparsity"), meta.get("target_error"))
+
+
+def _load_counts(path: Path) -> torch.Tensor:
+    try:
+        counts = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises many types for a damaged file
+        raise PowerInferError(f"{path}: not an activation count tensor ({str(error).splitlines()[0]})") from None
+    if not isinstance(counts, torch.Tensor):
+        raise PowerInferError(f"{path}: holds a {type(counts).__name__}, not an activation count tensor")
+    return counts.flatten()
 
 
 def calibration_chunks(ids: Sequence[int], n_tokens: int | None, chunk: int) -> list[list[int]]:
