@@ -169,7 +169,7 @@ def add_calibration_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=positive_int, default=512, help="tokens per forward pass (default: 512)")
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--target-sparsity", type=unit_interval,
-                        help="SiLU/GELU models: fraction of neurons to skip (default: 0.5 when --target-error is not given)")
+                        help="SiLU/GELU models: fraction of neurons to skip (default: 0.5 unless --target-error is given)")
     target.add_argument("--target-error", type=positive_float, help="SiLU/GELU models: max mean relative FFN error")
 
 
@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="HTTP server: OpenAI-compatible and llama.cpp-style routes, continuous batching")
     add_model_options(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    serve.add_argument("--port", type=number(int, 0, 65535), default=8080, help="port (default: 8080; 0 = any free port)")
+    serve.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 = any free port)")
     serve.add_argument("-np", "--parallel", type=positive_int, default=4,
                        help="sequences decoded together (KV-cache slots); more requests wait in a queue (default: 4)")
     ppl = commands.add_parser("perplexity", help="perplexity of a text file (llama.cpp's method)")

@@ -143,4 +143,23 @@ def test_bad_flags(flags, fragment):
 
 
 def test_bad_sampling_value(default_model):
-    assert_one_line_error(powerinfer("run", "-m", str(default_model), "-p", "x", "--top-p", "3"), "top_p")
+    assert_one_line_error(powerinfer("run", "-m", str(default_model), "-p", "x", "--top-p", "3"), "argument --top-p: must be in (0, 1]")
+
+
+def test_profile_defines_firing_for_silu_models(tiny_llama, wikitext_valid, tmp_path, capsys):
+    """The README's `profile -f valid.txt -o prof/` works on SiLU models (like the default one) too."""
+    from powerinfer.cli import main
+    from powerinfer.sparsity.profiler import ActivationProfile
+
+    _, _, ggufs = tiny_llama
+    text = tmp_path / "valid.txt"
+    text.write_text(wikitext_valid[:20000])
+    assert main(["profile", "-m", str(ggufs["f32"]), "-f", str(text), "-o", str(tmp_path / "prof"),
+                 "--tokens", "1024", "--chunk", "256"]) == 0
+    profile = ActivationProfile.load(tmp_path / "prof")
+    notes = [line for line in capsys.readouterr().err.splitlines() if "--target-sparsity" in line]
+    if profile.activation == "silu":
+        assert profile.target_sparsity == 0.5 and len(notes) == 1
+        assert all(abs(s - 0.5) < 0.05 for s in profile.sparsity)  # half of each layer under its threshold
+    else:
+        assert profile.target_sparsity is None and not notes

@@ -69,3 +69,19 @@ def read_text(path: str) -> str:
 def read_prompt(args: argparse.Namespace) -> str | None:
     """The text of -p, or of the -f file; None when neither is given."""
     return args.prompt if args.file is None else read_text(args.file)
+
+
+# SmolLM2 at 50 % oracle sparsity loses 2.6 % perplexity (docs/sparsity.md): a safe place to start.
+DEFAULT_TARGET_SPARSITY = 0.5
+
+
+def calibration_target(args: argparse.Namespace, llm) -> None:
+    """SiLU/GELU neurons are never exactly zero, so "fired" needs a threshold: without
+    --target-sparsity or --target-error, the one half of each layer's neurons stays under."""
+    activation = llm.config.activation
+    if args.target_sparsity is None and args.target_error is None and not activation.is_relu_family:
+        args.target_sparsity = DEFAULT_TARGET_SPARSITY
+        print(f"powerinfer: a {activation.value} model: a neuron fires above the threshold that "
+              f"{DEFAULT_TARGET_SPARSITY:.0%} of its layer's activations stay under "
+              f"(--target-sparsity {DEFAULT_TARGET_SPARSITY}; --target-sparsity or --target-error to choose)",
+              file=sys.stderr)

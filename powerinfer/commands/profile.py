@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from powerinfer.commands.common import load_llm, read_text
+from powerinfer.commands.common import calibration_target, load_llm, read_text
 from powerinfer.sparsity.profiler import profile_activations
 
 
@@ -14,6 +14,7 @@ def main(args: argparse.Namespace) -> int:
     text = read_text(args.file)
     args.ctx_size, args.dtype = args.chunk, "auto"
     llm = load_llm(args)
+    calibration_target(args, llm)
     ids = llm.tokenize(text, add_bos=False)
     profile = profile_activations(llm.model, ids, args.tokens, args.chunk, args.target_sparsity, args.target_error)
     profile.save(args.output)
