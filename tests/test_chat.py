@@ -73,8 +73,11 @@ class Terminal:
         return self.tmux("display-message", "-p", "-t", "chat", "#{pane_dead}").strip() == "1"
 
     def exit_status(self) -> int:
-        self.wait_for(self.dead, "the chat to end", timeout=60)
-        return int(self.tmux("display-message", "-p", "-t", "chat", "#{pane_dead_status}"))
+        # the pane is dead once the process closes the terminal; its status comes when it has exited
+        status = lambda: self.tmux("display-message", "-p", "-t", "chat", "#{pane_dead}:#{pane_dead_status}").strip()  # noqa: E731
+        self.wait_for(lambda: status().split(":")[0] == "1" and status().split(":")[1] != "", "the chat to end",
+                      timeout=60)
+        return int(status().split(":")[1])
 
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True)

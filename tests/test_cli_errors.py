@@ -74,8 +74,8 @@ def test_bad_text_file(default_model, bad, kind, fragment, command, capsys):
 @pytest.mark.parametrize("kind, fragment", [
     ("missing", "not found|no activation_|no model_"), ("text", "not found|no activation_|no model_"),
     ("folder", "no activation_|no model_"),
-    ("corrupt", "not an activation count tensor|not a predictor state dict"),
-    ("wrong", "holds a dict, not an activation count tensor|no model_"),
+    ("corrupt", "not a PyTorch file of tensors, or damaged"),
+    ("wrong", "not a tensor of firing counts|no model_"),
 ])
 @pytest.mark.parametrize("command", ["inspect", "place", "convert", "run"])
 def test_bad_statistics_and_predictor_folders(default_model, bad, kind, fragment, command, capsys):
@@ -95,4 +95,4 @@ def test_damaged_profile_json(tmp_path, capsys):
     torch.save(torch.ones(4), tmp_path / "activation" / "activation_0.pt")
     (tmp_path / "activation" / "profile.json").write_text("{not json")
     argv = ["inspect", "--activations", str(tmp_path), "-o", str(tmp_path / "a.png")]
-    assert "not valid JSON" in assert_one_line_error(argv, capsys)
+    assert "not readable JSON" in assert_one_line_error(argv, capsys)
