@@ -13,9 +13,15 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from powerinfer.config import FFNActivation
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 MODULE = "powerinfer._native"  # the extension setup.py builds
@@ -60,3 +66,27 @@ def import_compiled() -> ModuleType | None:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         _unavailable(f"{MODULE} does not load: {first_line}")
         return None
+
+
+def activation(kind: FFNActivation):
+    """The native numbering of an FFN activation (csrc/common.h's enum, bound by name)."""
+    return load().Activation.__members__[kind.name]
+
+
+@contextmanager
+def instruction_set(name: str) -> Iterator[None]:
+    """Run the kernels of instruction set `name` (avx512, avx2 or scalar; at most what the CPU has)
+    inside the block: how tests check each path on one machine. POWERINFER_ISA sets it per process."""
+    ops = load()
+    previous = ops.isa()
+    ops.set_isa(name)
+    try:
+        yield
+    finally:
+        ops.set_isa(previous)
+
+
+def instruction_sets() -> list[str]:
+    """The instruction sets this CPU runs the kernels with, best first."""
+    order = ["avx512", "avx2", "scalar"]
+    return order[order.index(load().detected_isa()) :]
