@@ -10,13 +10,12 @@ tokenizer agreement with llama.cpp over every line of valid.txt. Writes docs/acc
 from __future__ import annotations
 
 import datetime
-from pathlib import Path
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-VALID = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
+from common import ROOT, ensure_llama_cpp, machine_description, wikitext
+
 OUT = ROOT / "docs" / "accuracy.md"
 
 
@@ -27,6 +26,7 @@ def compare(name: str, logits: np.ndarray, reference: np.ndarray) -> str:
 
 
 def main() -> None:
+    ensure_llama_cpp()
     import llama_cpp
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -34,7 +34,7 @@ def main() -> None:
     from powerinfer.hub import pull_default_model
 
     model = pull_default_model()
-    text = VALID.read_text()
+    text = wikitext("valid.txt")
     hf_tokenizer = AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
     ids = hf_tokenizer(text[5000:9000], add_special_tokens=False)["input_ids"][:256]
     hf = AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, dtype=torch.float32).eval()
@@ -59,7 +59,8 @@ def main() -> None:
     report = [
         "# Accuracy against reference implementations",
         "",
-        f"Measured {datetime.date.today().isoformat()} with `benchmarks/accuracy.py` on `{model.name}`.",
+        f"Measured {datetime.date.today().isoformat()} with `benchmarks/accuracy.py` on `{model.name}`,",
+        f"on {machine_description()}.",
         "",
         "Logits on a 256-token wikitext-2 validation passage, each engine against Hugging Face transformers",
         "loading the same GGUF (it dequantizes to float32):",

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -23,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
-ROOT = Path(__file__).resolve().parents[1]
+from common import LLAMA_CPP_PYTHON, ROOT, ensure_llama_cpp, machine_description, wikitext
+
 RESULTS = ROOT / "benchmarks" / "results" / "dense_engines.md"
 
 
@@ -131,14 +129,6 @@ def worker_main(engine: str, model: str, threads: int, n_ctx: int) -> None:
 
 # ---------------------------------------------------------------- controller
 
-def ensure_llama_cpp() -> None:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        print(f"installing {LLAMA_CPP_PYTHON} (compiles llama.cpp: several minutes) ...", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", LLAMA_CPP_PYTHON], check=True)
-
-
 class Engine:
     def __init__(self, name: str, model: str, threads: int, n_ctx: int):
         self.name = name
@@ -165,11 +155,6 @@ class Engine:
     def close(self) -> None:
         self.process.stdin.close()
         self.process.wait()
-
-
-def machine_description() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
-    return f"{cpu}, {os.cpu_count()} cores, {round(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30)} GiB, Python {platform.python_version()}"
 
 
 def main() -> None:
@@ -200,7 +185,7 @@ def main() -> None:
     from powerinfer import LLM
 
     # Real text (wikitext-2 test), so that predictors see the kind of input they were trained for.
-    text = (Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2" / "test.txt").read_text()[:200000]
+    text = wikitext("test.txt")[:200000]
     ids = LLM(args.model, n_ctx=64).tokenize(text, add_bos=False)[: args.n_prompt + args.n_gen]
     n_ctx = args.n_prompt + args.n_gen + 8
     engines = [Engine(name, args.sparse_model if name == "powerinfer-sparse" else args.model, args.threads, n_ctx)
@@ -231,12 +216,11 @@ def main() -> None:
         rows.append(f"| {engine.name} | {tg:.1f} | {pp:.1f} | {vs[0]} | {vs[1]} | {engine.peak_rss / 2**20:.0f} |")
     table = "\n".join(rows)
     print(table)
-    import torch as _torch
 
     report = [
         "# Engines side by side" if args.sparse_model else "# Dense engines side by side",
         "",
-        f"Measured {datetime.date.today().isoformat()} on {machine_description()}; torch {_torch.__version__}.",
+        f"Measured {datetime.date.today().isoformat()} on {machine_description()}.",
         f"Model: `{Path(args.model).name}`; {args.threads} threads; medians of {args.reps} interleaved repetitions",
         "(after one warm-up each). Decode: tg = single-token steps from an empty cache over wikitext-2 test tokens;",
         "prefill: one batch of wikitext-2 test tokens from an empty cache. powerinfer-sparse: the PowerInfer GGUF",

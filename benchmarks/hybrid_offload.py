@@ -27,8 +27,6 @@ import argparse
 import datetime
 import gc
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -40,7 +38,8 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from solver import cpu_name, firing_probabilities  # noqa: E402
+from common import machine_description  # noqa: E402
+from solver import firing_probabilities  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "hybrid_offload.md"
 SHAPES = {  # layers, n_embd, n_ff, heads, vocab
@@ -152,19 +151,21 @@ def decode_speed(step, first_token: int, n_gen: int) -> tuple[float, list[torch.
 
 def run_ours(path: Path, prompt: list[int], n_gen: int, n_ctx: int, budget_gib: float | None,
              accelerator: str) -> tuple[Row, torch.Tensor]:
-    from powerinfer.config import ModelConfig
     from powerinfer.gguf import open_gguf
-    from powerinfer.models import load_model
-    from powerinfer.models.ffn import FFNOptions
+    from powerinfer.models import FFNOptions, load_model, read_config
+    from powerinfer.models.hybrid_ffn import HybridFFN
+    from powerinfer.placement.apply import apply_placement
+    from powerinfer.placement.planner import choose_placement
     from powerinfer.runtime.engine import Engine
-    from powerinfer.runtime.hybrid import HybridFFN, hybrid_options
 
     started = time.perf_counter()
-    gguf = open_gguf(path)
-    config = ModelConfig.from_gguf(gguf)
-    hybrid = None if budget_gib is None else hybrid_options(gguf, config, path, n_ctx, budget_gib, gpu_index="reset",
-                                                            accelerator=accelerator)
-    model = load_model(gguf, n_ctx, FFNOptions(sparsity="auto", hybrid=hybrid))
+    gguf = open_gguf(path)  # the synthetic model has no tokenizer: built without `LLM`
+    config = read_config(gguf)
+    hybrid = None if budget_gib is None else choose_placement(
+        gguf, config, path, n_ctx, 1, vram_budget=budget_gib, gpu_index="reset", accelerator=accelerator)
+    model = load_model(gguf, n_ctx, FFNOptions(sparsity="auto"))
+    if hybrid is not None:
+        apply_placement(model, hybrid)
     engine = Engine(model, n_ctx)
     load_s = time.perf_counter() - started
     prompt_logits = engine.prefill(0, prompt)
@@ -233,19 +234,13 @@ def run_accelerate(shape: tuple[int, ...], share: float, prompt: list[int], n_ge
 # ---------------------------------------------------------------- the run
 
 
-def machine() -> str:
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu_name()}, {os.cpu_count()} logical cores, {gpu}; Python {platform.python_version()}, "
-            f"torch {torch.__version__}")
-
-
 def write_results(rows: list[Row], args: argparse.Namespace, model_gib: float, output: Path) -> None:
     cpu = next((r.tokens_per_s for r in rows if r.name == "powerinfer CPU only"), None)
     base = next((r.tokens_per_s for r in rows if r.name.startswith("accelerate")), None)
     lines = [
         "# Hybrid CPU/GPU decoding under a VRAM budget",
         "",
-        f"Measured {datetime.date.today()} on {machine()}; {torch.get_num_threads()} CPU threads.",
+        f"Measured {datetime.date.today()} on {machine_description()}; {torch.get_num_threads()} CPU threads.",
         f"Model: synthetic {args.shape} ReLU-llama (ReGLU), Q4_0 PowerInfer GGUF, {model_gib:.2f} GiB of weights, "
         f"predictors of rank {args.rank}; context {args.ctx}; prompt {args.prompt} tokens, then {args.tokens} greedy "
         "decode steps (median step time). Budgets are shares of the GGUF's weight bytes; accelerate gets the same "

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from machine import cpu_model, memory_bandwidth
+from common import machine_description, memory_bandwidth
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
 from powerinfer.ops.linear import build_linear
@@ -54,7 +54,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if native.load() is None:
         raise SystemExit("native operators are unavailable: nothing to benchmark")
-    bandwidth = memory_bandwidth()
+    machine, bandwidth = machine_description(), memory_bandwidth()
     rng = np.random.default_rng(0)
     isas = native.instruction_sets()
     header = "| type | bytes/weight | " + " | ".join(f"{p}, {m} row{'s' * (m > 1)}" for m in args.rows for p in [*isas, "no native"]) + " |"
@@ -78,7 +78,7 @@ def main() -> None:
         print(row, flush=True)
         lines.append(row)
     note = (f"# QuantLinear kernels: GB/s of file bytes per call ({OUT_FEATURES} x {IN_FEATURES} layer)\n\n"
-            f"Measured {datetime.date.today()}, {cpu_model()}, {args.threads} threads; memory read bandwidth "
+            f"Measured {datetime.date.today()} on {machine}; {args.threads} threads; memory read bandwidth "
             f"measured in the same run: {bandwidth:.1f} GB/s. Columns: our kernel on each instruction set, and "
             "\"no native\" (torch's int4 kernel for Q4_0/Q4_1/Q8_0, bfloat16-expanded weights for the rest); "
             "per number of rows of x sharing a call. Higher is faster; at 1 row a kernel at the memory "

@@ -19,7 +19,6 @@ import asyncio
 import datetime
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -30,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from common import machine_description
 
 RESULTS = Path(__file__).parent / "results" / "server_load.md"
 TOPICS = ["a lighthouse keeper", "the history of bread", "how rivers form", "a robot learning to paint",
@@ -105,8 +106,8 @@ class OtherLoad:
     """The share of the machine's CPU time that processes other than this benchmark and its server
     used while it ran (the machine may be shared: their load slows the runs)."""
 
-    def __init__(self, server_pid: int):
-        self.pids = [os.getpid(), server_pid]
+    def __init__(self, server_pid: int | None = None):
+        self.pids = [os.getpid(), *([server_pid] if server_pid is not None else [])]
         self.start = self._sample()
 
     def _sample(self) -> tuple[int, int, int]:
@@ -123,24 +124,14 @@ class OtherLoad:
         return max(0, busy - ours) / total if total else 0.0
 
 
-def machine() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or platform.machine()
-    return f"{cpu}, {os.cpu_count()} logical cores, {platform.system()} {platform.release()}"
-
-
 def write_table(runs: dict[int, Run], args: argparse.Namespace, model: str, other_load: float) -> str:
-    import torch
 
     base = runs[min(runs)].tokens_per_second
     lines = [
         "# Server load: aggregate generation speed with concurrent streams",
         "",
         f"- date: {datetime.date.today().isoformat()}",
-        f"- machine: {machine()}; torch {torch.__version__}, threads: {args.threads or 'default'}",
+        f"- machine: {machine_description()}; threads: {args.threads or 'default'}",
         f"- model: {model}; `powerinfer serve --parallel {args.parallel} -c {args.ctx}`",
         (f"- each stream: a different prompt, greedy, {args.tokens} tokens, streamed from /v1/completions; "
          f"median of {args.repetitions} repetitions (levels interleaved)"),

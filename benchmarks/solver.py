@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 from pathlib import Path
 
 import numpy as np
 
+from common import cpu_model
 from powerinfer.placement.costs import GiB, ModelShape, Speeds, measure_cpu_bandwidth
 from powerinfer.placement.solver import plan_from_counts
 
@@ -41,16 +41,6 @@ def firing_probabilities(n_ff: int, scale: float, rng: np.random.Generator) -> n
 
 def synthetic_counts(n_layers: int, n_ff: int, scale: float, rng: np.random.Generator) -> list[np.ndarray]:
     return [rng.binomial(TOKENS, firing_probabilities(n_ff, scale, rng))[rng.permutation(n_ff)] for _ in range(n_layers)]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -83,7 +73,7 @@ def main() -> None:
     header = [
         "# Placement solver (scipy.optimize.milp / HiGHS)",
         "",
-        f"Measured {datetime.date.today().isoformat()} on {cpu_name()} ({os.cpu_count()} cores visible, shared "
+        f"Measured {datetime.date.today().isoformat()} on {cpu_model()} ({os.cpu_count()} cores visible, shared "
         f"with other work; CPU read bandwidth measured in the same run: {bandwidth:.1f} GB/s), HiGHS presolve off",
         "for \"groups\" and on for \"cumulative\" (see `solve_counts`),",
         f"time limit {args.time_limit:g} s per solve (\"(limit)\": stopped there with the best plan found).",

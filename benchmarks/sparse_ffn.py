@@ -24,7 +24,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from machine import memory_bandwidth
+from common import memory_bandwidth
 from powerinfer.config import FFNActivation
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native

@@ -23,18 +23,15 @@ import argparse
 import datetime
 import hashlib
 import json
-import platform
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from compare_engines import ensure_llama_cpp
+from common import ROOT, ensure_llama_cpp, machine_description, wikitext
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 RESULTS = ROOT / "benchmarks" / "results" / "sparsity_perplexity.md"
 PLOT = ROOT / "docs" / "sparsity_perplexity.png"
 N_CTX = 512
@@ -124,7 +121,7 @@ def main() -> int:
 
     model = str(resolve_model(args.model))
     dense = LLM(model, n_ctx=N_CTX, threads=args.threads, sparsity="off")
-    tokens = dense.tokenize((DATA / "test.txt").read_text(), add_bos=True)
+    tokens = dense.tokenize(wikitext("test.txt"), add_bos=True)
     bos = dense.tokenizer.bos_id if dense.tokenizer.add_bos else None
     chunks = chunks_of(tokens, N_CTX, args.chunks, bos)
     wanted = set(args.only.split(",")) if args.only else {"dense", "llama.cpp", "oracle", "predicted"}
@@ -148,7 +145,7 @@ def main() -> int:
     if (reference := measure("llama.cpp", "llama.cpp", lambda: llama_cpp_logits(model, llama_threads))) is not None:
         rows.append(("llama.cpp dense", None, 0.0, reference.ppl, reference.error))
 
-    calibration_ids = dense.tokenize((DATA / "valid.txt").read_text(), add_bos=False)
+    calibration_ids = dense.tokenize(wikitext("valid.txt"), add_bos=False)
     calibration = calibration_chunks(calibration_ids, args.calibration_tokens, N_CTX)
     for target in [float(t) for t in args.oracle.split(",") if t and "oracle" in wanted]:
         thresholds, _ = calibrate_thresholds(dense.model, Engine(dense.model, N_CTX), calibration, target, None)
@@ -175,7 +172,7 @@ def write_results(rows, n_chunks: int, model: str, output: Path) -> None:
     lines = [
         "# SmolLM2 perplexity under activation sparsity",
         "",
-        f"{datetime.date.today()} · {platform.node()} · {platform.processor() or platform.machine()} · "
+        f"{datetime.date.today()} · {machine_description()} · "
         f"`benchmarks/sparsity_perplexity.py` · model `{Path(model).name}` · wikitext-2 test.txt, c={N_CTX}, "
         f"{n_chunks} chunks · thresholds and predictors from valid.txt only",
         "",

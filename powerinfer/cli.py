@@ -139,6 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 = any free port)")
     serve.add_argument("-np", "--parallel", type=positive_int, default=4,
                        help="sequences decoded together (KV-cache slots); more requests wait in a queue (default: 4)")
+    serve.add_argument("--max-body-size", type=positive_int, default=8 * 1024 * 1024, metavar="BYTES",
+                       help="largest request body accepted; larger ones get 413 (default: 8 MiB)")
+    serve.add_argument("--allowed-hosts", metavar="NAMES",
+                       help="comma-separated names the Host header may carry, '*' for any "
+                            "(default: loopback names when --host is a loopback address, else any)")
+    serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' (repeat for several keys)")
+    serve.add_argument("--api-key-file", metavar="FILE", help="file of API keys, one a line")
+    serve.add_argument("--watchdog", type=positive_float, default=120.0, metavar="SECONDS",
+                       help="/health answers 503 when queued work has waited this long for a scheduler step (default: 120)")
     ppl = commands.add_parser("perplexity", help="perplexity of a text file (llama.cpp's method)")
     add_model_options(ppl)
     ppl.add_argument("-f", "--file", required=True, help="text file (e.g. wikitext-2 test.txt)")

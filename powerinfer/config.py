@@ -41,9 +41,19 @@ HF_GATED_ACTIVATIONS = {
     "gelu_pytorch_tanh": FFNActivation.GELU_GATED,
 }
 
-LLAMA_FAMILY = ("llama", "bamboo")
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + ("falcon", "opt")
-OPT_POSITION_OFFSET = 2  # OPT's learned position table starts with two unused rows
+RMS_NORM_EPS_KEY = "attention.layer_norm_rms_epsilon"  # RMSNorm models' eps (llama family)
+LAYER_NORM_EPS_KEY = "attention.layer_norm_epsilon"  # LayerNorm models' eps (Falcon, OPT)
+
+
+@dataclass(frozen=True)
+class ArchitectureDefaults:
+    """What a GGUF of one architecture leaves unsaid, as llama.cpp and PowerInfer read it: which key
+    holds its norm's eps, and its FFN activation when the file names none (`powerinfer_activation`
+    in a PowerInfer GGUF, whose sparse models are the ReLU variants)."""
+
+    norm_eps_key: str
+    activation: FFNActivation
+    powerinfer_activation: FFNActivation
 
 
 @dataclass(frozen=True)
@@ -73,12 +83,10 @@ class ModelConfig:
         return self.n_head_kv * self.head_dim
 
     @classmethod
-    def from_gguf(cls, gguf: GGUFFile) -> "ModelConfig":
+    def from_gguf(cls, gguf: GGUFFile, defaults: ArchitectureDefaults) -> ModelConfig:
+        """The configuration a file of a known architecture states (`powerinfer.models.read_config`
+        finds the architecture's defaults)."""
         arch = gguf.require("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"{gguf.path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
 
         def key(name: str, default=None):
             value = gguf.get(f"{arch}.{name}", default)
@@ -91,11 +99,6 @@ class ModelConfig:
         head_dim = int(key("attention.key_length", n_embd // n_head))
         tokens = gguf.get("tokenizer.ggml.tokens")
         n_vocab = int(gguf.get(f"{arch}.vocab_size") or (len(tokens) if tokens else gguf.tensor("token_embd.weight").shape[0]))
-        n_ctx_train = int(key("context_length", 2048))
-        if arch == "opt":  # PowerInfer writes 2050, the position table's rows, of which 2 are unused
-            n_ctx_train = min(n_ctx_train, gguf.tensor("position_embd.weight").shape[0] - OPT_POSITION_OFFSET)
-        # the llama family's RMSNorm eps, or Falcon's and OPT's LayerNorm eps
-        eps_key = "attention.layer_norm_rms_epsilon" if arch in LLAMA_FAMILY else "attention.layer_norm_epsilon"
         scaling = gguf.get(f"{arch}.rope.scaling.type", "none")
         if scaling not in ("none", "linear"):
             raise UnsupportedModelError(f"{gguf.path}: unsupported RoPE scaling {scaling!r}")
@@ -109,29 +112,20 @@ class ModelConfig:
             n_head_kv=int(key("attention.head_count_kv", n_head)),
             head_dim=head_dim,
             n_vocab=n_vocab,
-            n_ctx_train=n_ctx_train,
+            n_ctx_train=int(key("context_length", 2048)),
             rope_dim=int(key("rope.dimension_count", head_dim)),
             rope_freq_base=float(key("rope.freq_base", 10000.0)),
             rope_scale=float(key("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
-            norm_eps=float(key(eps_key, 1e-5)),
-            activation=_activation(gguf, arch),
+            norm_eps=float(key(defaults.norm_eps_key, 1e-5)),
+            activation=_activation(gguf, defaults),
         )
 
 
-def _activation(gguf: GGUFFile, arch: str) -> FFNActivation:
+def _activation(gguf: GGUFFile, defaults: ArchitectureDefaults) -> FFNActivation:
     stored = gguf.get(ACTIVATION_KEY)
-    if stored is not None:
-        try:
-            return FFNActivation(stored)
-        except ValueError:
-            raise UnsupportedModelError(f"{gguf.path}: unsupported FFN activation {stored!r}") from None
-    if arch == "bamboo":
-        return FFNActivation.DRELU
-    if arch == "opt":
-        return FFNActivation.RELU
-    if arch == "falcon":  # PowerInfer's sparse Falcon is ReLU-Falcon; llama.cpp's Falcon is GELU
-        return FFNActivation.RELU if gguf.is_powerinfer else FFNActivation.GELU
-    if gguf.is_powerinfer:
-        # PowerInfer's sparse llama models are ReLU-Llama (ReGLU); it never stored the activation.
-        return FFNActivation.RELU_GATED
-    return FFNActivation.SILU_GATED
+    if stored is None:
+        return defaults.powerinfer_activation if gguf.is_powerinfer else defaults.activation
+    try:
+        return FFNActivation(stored)
+    except ValueError:
+        raise UnsupportedModelError(f"{gguf.path}: unsupported FFN activation {stored!r}") from None

@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import os
 import time
+from functools import cached_property
 from collections.abc import Iterator, Sequence
-from typing import Literal
+from functools import cached_property
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
 
-from powerinfer.config import ModelConfig
 from powerinfer.errors import ContextOverflowError, PowerInferError
-from powerinfer.gguf.reader import open_gguf
+from powerinfer.gguf.reader import GGUFFile, open_gguf
 from powerinfer.hub import resolve_model
-from powerinfer.models import load_model
+from powerinfer.models import load_model, read_config
 from powerinfer.models.ffn import FFNOptions, SparsityMode
+from powerinfer.runtime.constraint import Constraint
 from powerinfer.runtime.engine import Engine
-from powerinfer.runtime.hybrid import GPUIndexMode, hybrid_options
 from powerinfer.runtime.sampling import SamplingParams
 from powerinfer.runtime.sequence import Completion, GenerationSequence
 from powerinfer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from powerinfer.placement.planner import GPUIndexMode
+    from powerinfer.placement.spec import Placement
 
 DEFAULT_N_CTX = 4096
 Prompt = str | Sequence[int]
@@ -59,17 +64,25 @@ class LLM:
     activation statistics (`activations` directory, else activation/ next to the model, else
     uniform) or read from `<model>.generated.gpuidx`; `gpu_index`: "reuse" the index while the
     budget covers it, "reset" to rebuild it, "disable" to keep FFNs on the CPU. See docs/hybrid.md.
+    `n_gpu_layers` instead offloads the last N layers whole, as llama.cpp's -ngl does.
+    `parallel`: the KV-cache slots a server will run (the placement budgets their cache).
+
+    The loaded model is shared: `engine` (made on first use) holds this object's own KV cache, and
+    `new_engine` makes others over the same weights (the server's slots).
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *, threads: int | None = None,
                  n_ctx: int | None = None, n_batch: int = 512, dtype: Literal["auto", "float32"] = "auto",
                  sparsity: SparsityMode = "auto", thresholds: Sequence[float] | None = None,
-                 vram_budget: float | None = None, gpu_index: GPUIndexMode = "reuse",
-                 activations: str | os.PathLike[str] | None = None, accelerator: str | torch.device | None = None):
+                 vram_budget: float | None = None, n_gpu_layers: int | None = None, gpu_index: GPUIndexMode = "reuse",
+                 activations: str | os.PathLike[str] | None = None, accelerator: str | torch.device | None = None,
+                 parallel: int = 1):
         if dtype not in ("auto", "float32"):
             raise PowerInferError(f"unknown dtype {dtype!r} (expected 'auto' or 'float32')")
         if sparsity not in ("auto", "off", "oracle"):
             raise PowerInferError(f"unknown sparsity {sparsity!r} (expected 'auto', 'off' or 'oracle')")
+        if parallel < 1:
+            raise PowerInferError("parallel must be >= 1")
         if threads is not None:
             if threads < 1:
                 raise PowerInferError("threads must be >= 1")
@@ -77,26 +90,47 @@ class LLM:
         self.path = resolve_model(model)
         started = time.perf_counter()
         gguf = open_gguf(self.path)
-        self.config = ModelConfig.from_gguf(gguf)  # rejects unsupported architectures before any work
+        self.config = read_config(gguf)  # rejects unsupported architectures before any work
         self.tokenizer = Tokenizer.from_gguf(gguf)
         self.n_ctx = n_ctx or min(DEFAULT_N_CTX, self.config.n_ctx_train)
+        self.n_batch = n_batch
         if self.n_ctx < 1:
             raise PowerInferError("n_ctx must be >= 1")
         if thresholds is not None and len(thresholds) != self.config.n_layers:
             raise PowerInferError(f"{len(thresholds)} thresholds given for a model of {self.config.n_layers} layers")
-        if vram_budget is not None and dtype == "float32":
-            raise PowerInferError("a VRAM budget needs dtype 'auto' (float32 mode runs dense on the CPU)")
-        self.hybrid = None if vram_budget is None else hybrid_options(
-            gguf, self.config, self.path, self.n_ctx, vram_budget, gpu_index=gpu_index, activations=activations,
-            accelerator=accelerator)
-        options = FFNOptions(sparsity, dtype == "float32", tuple(thresholds) if thresholds is not None else None,
-                             self.hybrid)
+        placed = vram_budget is not None or n_gpu_layers is not None
+        if placed and dtype == "float32":
+            raise PowerInferError("placing weights on an accelerator needs dtype 'auto' (float32 mode runs on the CPU)")
+        self.placement = self._placement(gguf, parallel, vram_budget, n_gpu_layers, gpu_index, activations,
+                                         accelerator) if placed else None
+        options = FFNOptions(sparsity, dtype == "float32", tuple(thresholds) if thresholds is not None else None)
         self.model = load_model(gguf, self.n_ctx, options)
+        if self.placement is not None:
+            from powerinfer.placement.apply import apply_placement
+
+            apply_placement(self.model, self.placement)
         self.file_size = gguf.file_size
         self.n_params = sum(t.n_elements for t in gguf.tensors.values())
         self.quant_label = gguf.dominant_type_name()
-        self.engine = Engine(self.model, self.n_ctx, n_batch=n_batch)
         self.load_seconds = time.perf_counter() - started
+
+    def _placement(self, gguf: GGUFFile, parallel: int, vram_budget: float | None, n_gpu_layers: int | None,
+                   gpu_index: GPUIndexMode, activations, accelerator) -> Placement | None:
+        # imported here: runs without an accelerator never load the solver
+        from powerinfer.placement.planner import choose_placement
+
+        return choose_placement(gguf, self.config, self.path, self.n_ctx, parallel, vram_budget=vram_budget,
+                                n_gpu_layers=n_gpu_layers, gpu_index=gpu_index, activations=activations,
+                                accelerator=accelerator)
+
+    @cached_property
+    def engine(self) -> Engine:
+        """This object's own single-slot engine (its KV cache is allocated on first use)."""
+        return self.new_engine(1)
+
+    def new_engine(self, n_slots: int) -> Engine:
+        """An engine with `n_slots` KV-cache slots over this model's weights."""
+        return Engine(self.model, self.n_ctx, n_slots=n_slots, n_batch=self.n_batch)
 
     # -- tokens -------------------------------------------------------------------------------
 
@@ -129,18 +163,22 @@ class LLM:
         return ids
 
     def _sequence(self, prompt: Prompt, max_tokens: int, stop: Sequence[str] | str | None,
-                  sampling: SamplingParams) -> GenerationSequence:
+                  sampling: SamplingParams, logprobs: int | None = None,
+                  constraint: Constraint | None = None) -> GenerationSequence:
         if max_tokens < 0:
             raise PowerInferError("max_tokens must be >= 0")
         ids = self._prompt_ids(prompt)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        return GenerationSequence(ids, self.tokenizer, sampling, max_tokens, stops, context_left=self.n_ctx - len(ids))
+        return GenerationSequence(ids, self.tokenizer, sampling, max_tokens, stops, context_left=self.n_ctx - len(ids),
+                                  logprobs=logprobs, constraint=constraint)
 
     def new_sequence(self, prompt: Prompt, max_tokens: int = 128, stop: Sequence[str] | str | None = None,
+                     logprobs: int | None = None, constraint: Constraint | None = None,
                      **sampling) -> GenerationSequence:
         """The checked generation `generate` would run, for an engine of one's own (the server's
-        scheduler runs many of them on one multi-slot engine)."""
-        return self._sequence(prompt, max_tokens, stop, SamplingParams(**sampling))
+        scheduler runs many of them on one multi-slot engine); `logprobs` and `constraint` as
+        `GenerationSequence` takes them."""
+        return self._sequence(prompt, max_tokens, stop, SamplingParams(**sampling), logprobs, constraint)
 
     def _run(self, sequence: GenerationSequence, cache_prompt: bool, slot: int = 0) -> Iterator[str]:
         timings = sequence.timings
@@ -180,9 +218,10 @@ class LLM:
         sequence = self._sequence(prompt, max_tokens, stop, SamplingParams(**sampling))
         return TextStream(self._run(sequence, cache_prompt), sequence)
 
-    def chat_prompt(self, messages: Messages) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template, ready for a reply."""
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+    def chat_prompt(self, messages: Messages, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template, ready for a reply
+        (`tools`: OpenAI function definitions, for templates that render them)."""
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tools=tools)
         return self.tokenize(text, add_bos=True)
 
     def chat(self, messages: Messages, max_tokens: int = 256, stop: Sequence[str] | str | None = None,
@@ -193,3 +232,58 @@ class LLM:
     def chat_stream(self, messages: Messages, max_tokens: int = 256, stop: Sequence[str] | str | None = None,
                     cache_prompt: bool = False, **sampling) -> TextStream:
         return self.generate_stream(self.chat_prompt(messages), max_tokens, stop, cache_prompt, **sampling)
+
+    # -- OpenAI-shaped API (llama-cpp-python's `Llama` methods) ---------------------------------
+
+    def create_completion(self, prompt: str | list[int], **fields) -> dict | Iterator[dict]:
+        """An OpenAI text completion as a dict, or with `stream=True` an iterator of chunk dicts.
+        `fields` are the server's /v1/completions fields with the same defaults (max_tokens 16,
+        temperature 1): n, logprobs, stop, seed, presence_penalty, response_format, ..."""
+        from powerinfer.api.local import create_completion
+
+        return create_completion(self, {"prompt": prompt, **fields})
+
+    def create_chat_completion(self, messages: Messages, **fields) -> dict | Iterator[dict]:
+        """An OpenAI chat completion as a dict, or with `stream=True` an iterator of chunk dicts;
+        `fields` as the server's /v1/chat/completions takes them (tools, response_format, logprobs, n, ...)."""
+        from powerinfer.api.local import create_chat_completion
+
+        return create_chat_completion(self, {"messages": list(messages), **fields})
+
+    def embed(self, texts: str | Sequence[str] | Sequence[Sequence[int]]) -> list[list[float]]:
+        """One unit-length vector per text (or token-id list): the final normalized hidden states,
+        pooled as the file's `<arch>.pooling_type` says (mean when it says nothing)."""
+        inputs = [texts] if isinstance(texts, str) else list(texts)
+        return self.embed_with_counts(inputs)[0]
+
+    def embed_with_counts(self, inputs: Sequence[str | Sequence[int]]) -> tuple[list[list[float]], int]:
+        """`embed`'s vectors and the number of tokens they took."""
+        if not inputs:
+            raise PowerInferError("nothing to embed")
+        vectors, n_tokens = [], 0
+        for item in inputs:
+            ids = self.tokenize(item) if isinstance(item, str) else [int(i) for i in item]
+            self._check_ids(ids)
+            if not ids:
+                raise PowerInferError("cannot embed an empty text")
+            hidden = self.engine.all_logits(ids, which="hidden")
+            vectors.append(torch.nn.functional.normalize(pool(hidden, self.pooling), dim=0).tolist())
+            n_tokens += len(ids)
+        return vectors, n_tokens
+
+    @cached_property
+    def pooling(self) -> int:
+        """llama.cpp's pooling type from the file (1 mean, 2 first token, 3 last token; else mean)."""
+        return int(open_gguf(self.path).get(f"{self.config.architecture}.pooling_type", MEAN_POOLING))
+
+
+MEAN_POOLING, CLS_POOLING, LAST_POOLING = 1, 2, 3
+
+
+def pool(hidden: torch.Tensor, pooling: int) -> torch.Tensor:
+    """One vector from a text's hidden states [n_tokens, n_embd]."""
+    if pooling == CLS_POOLING:
+        return hidden[0]
+    if pooling == LAST_POOLING:
+        return hidden[-1]
+    return hidden.mean(dim=0)

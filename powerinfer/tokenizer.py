@@ -164,10 +164,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of `text`, special tokens parsed; BOS first when `add_bos` and the model wants it."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_bos and self.add_bos:
-            ids = [self.bos_id, *ids]
-        return ids
+        return self.encode_batch([text], add_bos)[0]  # encode_batch releases the GIL; encode holds it
 
     def encode_batch(self, texts: Sequence[str], add_bos: bool = True) -> list[list[int]]:
         prefix = [self.bos_id] if add_bos and self.add_bos else []
@@ -184,8 +181,10 @@ class Tokenizer:
 
     # -- chat ----------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render a conversation with the model's template (ChatML when the file has none)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render a conversation with the model's template (ChatML when the file has none);
+        `tools` (OpenAI function definitions) go to templates that render them."""
         if self._template is None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_template_error
@@ -197,7 +196,8 @@ class Tokenizer:
         special = lambda i: self.piece(i) if i is not None and 0 <= i < self.n_vocab else ""  # noqa: E731
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=special(self.bos_id), eos_token=special(self.eos_id))
+                                         bos_token=special(self.bos_id), eos_token=special(self.eos_id),
+                                         **({} if tools is None else {"tools": tools}))
         except TemplateError as error:
             raise PowerInferError(f"chat template: {error}") from None
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,29 @@ def tiny_llama(request, tmp_path_factory, default_model):
         ggufs[outtype] = folder / f"model-{outtype}.gguf"
         convert_hf(folder, ggufs[outtype], parse_outtype(outtype), progress=False)
     return model, folder, ggufs
+
+
+@pytest.fixture(scope="session")
+def tiny_relu(tmp_path_factory, default_model) -> Callable[[str], Path]:
+    """tiny_relu(outtype): a tiny ReLU llama (the default model's vocabulary) converted to `outtype`,
+    alone in a fresh folder each call (GPU indexes are written next to a model)."""
+    from powerinfer.gguf import open_gguf
+    from powerinfer.tokenizer import Tokenizer
+
+    checkpoint = tmp_path_factory.mktemp("tiny-relu")
+    make_tiny_llama(checkpoint, "relu")
+    # our own tokenizer saved as tokenizer.json: seconds faster than transformers reading the GGUF
+    Tokenizer.from_gguf(open_gguf(default_model)).backend.save(str(checkpoint / "tokenizer.json"))
+    converted: dict[str, Path] = {}
+
+    def fresh_copy(outtype: str) -> Path:
+        if outtype not in converted:
+            converted.update(convert_each(checkpoint, (outtype,)))
+        path = tmp_path_factory.mktemp(f"tiny-relu-{outtype}") / "model.gguf"
+        shutil.copy(converted[outtype], path)
+        return path
+
+    return fresh_copy
 
 
 def _instruction_sets() -> list[str]:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from powerinfer import LLM
 from powerinfer.config import FFNActivation
 from powerinfer.ops.linear import CPU, build_linear
-from powerinfer.runtime.hybrid import HybridFFN, KernelNeurons, RecordNeurons
+from powerinfer.models.hybrid_ffn import HybridFFN, KernelNeurons, RecordNeurons
 
 from test_hybrid import logits as decode_and_prefill_logits
 from test_hybrid import place_everything
@@ -77,16 +77,9 @@ def test_kernel_neurons_on_cuda_equal_the_cpu_ones(ggml_type, gated, masked, ora
 
 
 @pytest.fixture(scope="module")
-def relu_model(tmp_path_factory, default_model) -> Path:
+def relu_model(tiny_relu) -> Path:
     """A tiny ReLU llama in Q4_0 with the default model's vocabulary, alone in its folder."""
-    from conftest import convert_each, make_tiny_llama
-    from powerinfer.gguf import open_gguf
-    from powerinfer.tokenizer import Tokenizer
-
-    folder = tmp_path_factory.mktemp("tiny-relu-cuda")
-    make_tiny_llama(folder, "relu")
-    Tokenizer.from_gguf(open_gguf(default_model)).backend.save(str(folder / "tokenizer.json"))
-    return convert_each(folder, ("q4_0",))["q4_0"]
+    return tiny_relu("q4_0")
 
 
 # 21 KB: the last block only; 2 MB: the output head, both blocks and a few neurons; None: everything
@@ -100,7 +93,7 @@ def test_hybrid_model_on_cuda_gives_the_cpu_result(relu_model, budget_gib, mode)
         budget_gib = place_everything(relu_model, "cuda")
     gpu = LLM(relu_model, n_ctx=N_CTX, sparsity=mode, vram_budget=budget_gib, accelerator="cuda",
               gpu_index="reuse" if everything else "reset")
-    assert gpu.hybrid is not None and gpu.hybrid.device.type == "cuda"
+    assert gpu.placement is not None and gpu.placement.device.type == "cuda"
     offloaded = [b.device.type == "cuda" for b in gpu.model.blocks]
     assert any(offloaded) and offloaded == sorted(offloaded)  # the last blocks go first
     if everything:

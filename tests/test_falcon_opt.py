@@ -23,7 +23,9 @@ from powerinfer.models import load_model
 from powerinfer.models.ffn import FFNOptions, SparseFFN
 from powerinfer.placement.solver import Plan
 from powerinfer.runtime.engine import Engine
-from powerinfer.runtime.hybrid import HybridFFN, HybridOptions
+from powerinfer.models.hybrid_ffn import HybridFFN
+from powerinfer.placement.apply import apply_placement
+from powerinfer.placement.spec import Placement
 from powerinfer.sparsity.predictors import TrainingOptions, load_predictors, save_predictors, train_predictors
 from powerinfer.tokenizer import Tokenizer
 
@@ -238,7 +240,8 @@ def test_hybrid_split_changes_nothing(opt, pwri, ids, mode):
     down bias is added once."""
     n_ff = (N_FF,) * opt.hf.config.num_hidden_layers
     plan = Plan(tuple(np.arange(0, n, 2, dtype=np.int32) for n in n_ff), n_ff, 0, 0, None, None, None, None)
-    split = load_model(open_gguf(pwri), N_CTX, FFNOptions(sparsity=mode, hybrid=HybridOptions(torch.device("cpu"), plan)))
+    split = load_model(open_gguf(pwri), N_CTX, FFNOptions(sparsity=mode))
+    apply_placement(split, Placement(torch.device("cpu"), plan))
     assert all(isinstance(b.ffn, HybridFFN) for b in split.blocks)
     assert_same(both_paths(Engine(split, N_CTX), ids), both_paths(engine(pwri, sparsity=mode), ids))
 

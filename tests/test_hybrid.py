@@ -3,7 +3,8 @@ changes no result, whatever the placement."""
 
 from __future__ import annotations
 
-import shutil
+import subprocess
+import sys
 from contextlib import contextmanager
 from unittest import mock
 from pathlib import Path
@@ -16,17 +17,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from powerinfer import LLM
-from powerinfer.config import FFNActivation, ModelConfig
+from powerinfer.config import FFNActivation
 from powerinfer.errors import PowerInferError
 from powerinfer.gguf import open_gguf
-from powerinfer.models import load_model
-from powerinfer.models.ffn import MAX_SPARSE_ROWS, DenseFFN, FFNOptions, Predictor, SparseFFN
+from powerinfer.models import load_model, read_config
+from powerinfer.models.ffn import MAX_SPARSE_ROWS, DenseFFN, FFNOptions, SparseFFN
+from powerinfer.models.hybrid_ffn import HybridFFN
+from powerinfer.models.predictor import Predictor
+from powerinfer.placement.apply import apply_placement
 from powerinfer.placement.costs import ModelShape, Speeds, dense_parts, model_shape
 from powerinfer.placement.gpu_index import index_path, read_gpu_index, write_gpu_index
-from powerinfer.placement.planner import DensePlacement
 from powerinfer.placement.solver import Plan, plan_from_counts
+from powerinfer.placement.spec import DensePlacement, Placement
 from powerinfer.runtime.engine import Engine
-from powerinfer.runtime.hybrid import HybridFFN, HybridOptions
 
 from test_neuron_ops import store as random_store
 
@@ -45,7 +48,7 @@ def test_hybrid_ffn_equals_sparse_ffn(ggml_type, gated, mode, rows, seed, data):
     store, _ = random_store(seed, ggml_type, n_ff, 64, 64, gated)
     activation = FFNActivation.RELU_GATED if gated else FFNActivation.RELU
     generator = torch.Generator().manual_seed(seed)
-    predictor = Predictor(torch.randn(16, 64, generator=generator), torch.randn(n_ff, 16, generator=generator), 0.0)
+    predictor = Predictor.from_weights(torch.randn(16, 64, generator=generator), torch.randn(n_ff, 16, generator=generator), 0.0)
     single = SparseFFN(store, activation, mode, predictor if mode == "auto" else None)
     hot = torch.tensor(sorted(data.draw(st.sets(st.integers(0, n_ff - 1), min_size=1))), dtype=torch.int64)
     hybrid = HybridFFN(single, hot, CPU)
@@ -59,9 +62,29 @@ def test_hybrid_ffn_equals_sparse_ffn(ggml_type, gated, mode, rows, seed, data):
     assert hybrid.device_nbytes == len(hot) * store.record_bytes
 
 
+@settings(max_examples=30, deadline=None)
+@given(ggml_type=st.sampled_from([T.Q4_0, T.Q8_0, T.F32]), rows=st.integers(2, MAX_SPARSE_ROWS),
+       split=st.booleans(), seed=st.integers(0, 10_000))
+def test_each_row_computes_its_own_predicted_neurons(ggml_type, rows, split, seed):
+    """A few rows at once (a short prompt, a batched decode step) give what each row gives alone:
+    every token computes the neurons predicted for it, not those predicted for any row."""
+    n_ff = 96
+    store, _ = random_store(seed, ggml_type, n_ff, 64, 64)
+    generator = torch.Generator().manual_seed(seed)
+    predictor = Predictor.from_weights(torch.randn(16, 64, generator=generator), torch.randn(n_ff, 16, generator=generator), 0.5)
+    ffn = SparseFFN(store, FFNActivation.RELU_GATED, "auto", predictor)
+    if split:
+        ffn = HybridFFN(ffn, torch.arange(0, n_ff, 3), CPU)
+    h, residual = torch.randn(rows, 64, generator=generator), torch.randn(rows, 64, generator=generator)
+    alone = torch.cat([ffn(h[i : i + 1], residual[i : i + 1]) for i in range(rows)])
+    together = ffn(h, residual)
+    scale = alone.abs().max().item() + 1e-6
+    torch.testing.assert_close(together, alone, rtol=0, atol=1e-5 * scale)
+
+
 def test_no_active_neuron_gives_zeros():
     store, _ = random_store(1, T.Q4_0, 64, 64, 32)
-    silent = Predictor(torch.randn(8, 64), torch.randn(64, 8), threshold=1e9)
+    silent = Predictor.from_weights(torch.randn(8, 64), torch.randn(64, 8), threshold=1e9)
     hybrid = HybridFFN(SparseFFN(store, FFNActivation.RELU_GATED, "auto", silent), torch.tensor([3, 9]), CPU)
     assert torch.equal(hybrid(torch.randn(1, 64)), torch.zeros(1, 32)) and hybrid.last_active == 0
 
@@ -70,16 +93,9 @@ def test_no_active_neuron_gives_zeros():
 
 
 @pytest.fixture(scope="module")
-def relu_models(tmp_path_factory, default_model) -> dict[str, Path]:
-    """A tiny ReLU llama (with the default model's vocabulary) in f32 and q4_0, each in its own folder."""
-    from conftest import convert_each, make_tiny_llama
-    from powerinfer.tokenizer import Tokenizer
-
-    folder = tmp_path_factory.mktemp("tiny-relu-hybrid")
-    make_tiny_llama(folder, "relu")
-    # our own tokenizer saved as tokenizer.json: seconds faster than transformers reading the GGUF
-    Tokenizer.from_gguf(open_gguf(default_model)).backend.save(str(folder / "tokenizer.json"))
-    return convert_each(folder, ("f32", "q4_0"))
+def relu_models(tiny_relu) -> dict[str, Path]:
+    """A tiny ReLU llama in f32 and q4_0, each in its own folder."""
+    return {outtype: tiny_relu(outtype) for outtype in ("f32", "q4_0")}
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +152,13 @@ def test_hybrid_model_equals_single_device_for_random_budgets(engines, ids, outt
     rng = np.random.default_rng(seed)
     counts = [torch.from_numpy(rng.integers(0, 100, n)) for n in shape.n_ff]
     plan = plan_from_counts(counts, 100, shape, int(share * shape.ffn_bytes), Speeds(sync_seconds=0.0), 16)
-    options = HybridOptions(CPU, plan)
-    with ffns(model, lambda f, i: options.wrap(SparseFFN(f.store, f.activation, mode, threshold=f.threshold), i)):
+
+    def split(ffn: SparseFFN, layer: int) -> SparseFFN:
+        single = SparseFFN(ffn.store, ffn.activation, mode, threshold=ffn.threshold)
+        hot = torch.from_numpy(plan.hot[layer]).long()
+        return HybridFFN(single, hot, CPU) if len(hot) else single
+
+    with ffns(model, split):
         got = logits(model, ids)
     tolerance = 1e-4 if outtype == "f32" else 0.04  # q4_0: logits come out of a bfloat16 kernel
     for value, expected in zip(got, reference[mode]):  # decode, then prefill
@@ -161,7 +182,7 @@ def test_offloaded_dense_parts_give_the_single_device_result(relu_models, ids, c
     FFNs are dense int4 layers, which round differently from neuron records.)"""
     outtype, mode = case
     gguf = open_gguf(relu_models[outtype])
-    shape = model_shape(gguf, ModelConfig.from_gguf(gguf))
+    shape = model_shape(gguf, read_config(gguf))
     rng = np.random.default_rng(seed)
     counts = [torch.from_numpy(rng.integers(0, 100, n)) for n in shape.n_ff]
     plan = plan_from_counts(counts, 100, shape, int(share * shape.ffn_bytes), Speeds(sync_seconds=0.0), 16)
@@ -170,7 +191,8 @@ def test_offloaded_dense_parts_give_the_single_device_result(relu_models, ids, c
     # do too, so that only the split differs (the native kernel's own rounding: test_quant_linear).
     with mock.patch("powerinfer.ops.linear.quant_kernel", return_value=None):
         single = load_model(gguf, N_CTX, FFNOptions(sparsity=mode))
-        split = load_model(gguf, N_CTX, FFNOptions(sparsity=mode, hybrid=HybridOptions(CPU, plan, dense)))
+        split = load_model(gguf, N_CTX, FFNOptions(sparsity=mode))
+        apply_placement(split, Placement(CPU, plan, dense))
     assert [isinstance(b.ffn, HybridFFN) for b in split.blocks] == [i in offloaded or len(plan.hot[i]) > 0
                                                                       for i in range(2)]
     assert all(split.blocks[i].step is None for i in offloaded)  # offloaded blocks run the torch path
@@ -180,10 +202,11 @@ def test_offloaded_dense_parts_give_the_single_device_result(relu_models, ids, c
         torch.testing.assert_close(got, expected, rtol=0, atol=tolerance * expected.abs().max().item())
 
 
-def test_ffn_options_build_hybrid_blocks_only_where_neurons_are_placed(relu_models, engines, ids):
+def test_placement_splits_only_the_layers_with_hot_neurons(relu_models, engines, ids):
     plan = Plan((np.arange(0, 160, 3, dtype=np.int32), np.zeros(0, dtype=np.int32)), (160, 160), 0, 0,
                 None, None, None, None)
-    model = load_model(open_gguf(relu_models["f32"]), N_CTX, FFNOptions(sparsity="off", hybrid=HybridOptions(CPU, plan)))
+    model = load_model(open_gguf(relu_models["f32"]), N_CTX, FFNOptions(sparsity="off"))
+    apply_placement(model, Placement(CPU, plan))
     assert isinstance(model.blocks[0].ffn, HybridFFN) and model.blocks[0].ffn.n_hot == len(plan.hot[0])
     assert isinstance(model.blocks[1].ffn, DenseFFN)  # nothing placed: built as without a plan
     for value, expected in zip(logits(model, ids), engines["f32"][1]["off"]):
@@ -194,7 +217,7 @@ def place_everything(path: Path, accelerator: str = "cpu") -> float:
     """Write a GPU index putting every neuron on an accelerator of type `accelerator`; return a
     budget (GiB) that covers it and all dense parts."""
     gguf = open_gguf(path)
-    config = ModelConfig.from_gguf(gguf)
+    config = read_config(gguf)
     shape = model_shape(gguf, config, accelerator)
     write_gpu_index(index_path(path), Plan(tuple(np.arange(n, dtype=np.int32) for n in shape.n_ff), shape.n_ff,
                                            shape.ffn_bytes, shape.ffn_bytes, None, None, None, None))
@@ -202,11 +225,9 @@ def place_everything(path: Path, accelerator: str = "cpu") -> float:
 
 
 @pytest.fixture
-def f32_copy(relu_models, tmp_path) -> Path:
+def f32_copy(tiny_relu) -> Path:
     """The f32 model alone in a fresh folder (indexes get written next to it)."""
-    path = tmp_path / "model.gguf"
-    shutil.copy(relu_models["f32"], path)
-    return path
+    return tiny_relu("f32")
 
 
 def test_llm_runs_with_a_stored_index_and_generates_the_same_text(f32_copy, capsys):
@@ -214,7 +235,7 @@ def test_llm_runs_with_a_stored_index_and_generates_the_same_text(f32_copy, caps
     plain = LLM(f32_copy, n_ctx=N_CTX)
     hybrid = LLM(f32_copy, n_ctx=N_CTX, vram_budget=budget, accelerator="cpu")
     assert all(isinstance(b.ffn, HybridFFN) and len(b.ffn.cold) == 0 for b in hybrid.model.blocks)
-    assert hybrid.hybrid.plan.solve_seconds is None  # read from the index, not solved
+    assert hybrid.placement.plan.solve_seconds is None  # read from the index, not solved
     assert "placement on cpu: 2/2 layers use the accelerator" in capsys.readouterr().err
     prompt = "The capital of France is"
     assert hybrid.generate(prompt, max_tokens=12, temperature=0) == plain.generate(prompt, max_tokens=12, temperature=0)
@@ -227,12 +248,12 @@ def test_llm_rebuilds_a_corrupt_index_and_honours_reset_and_disable(f32_copy, ca
     llm = LLM(f32_copy, n_ctx=N_CTX, vram_budget=budget / 2, accelerator="cpu")
     err = capsys.readouterr().err.splitlines()
     assert sum("warning: ignoring corrupt GPU index" in line for line in err) == 1
-    assert llm.hybrid.plan.solve_seconds is not None
-    assert read_gpu_index(index, (160, 160))[1] == llm.hybrid.plan.capacity  # rewritten, sound
+    assert llm.placement.plan.solve_seconds is not None
+    assert read_gpu_index(index, (160, 160))[1] == llm.placement.plan.capacity  # rewritten, sound
     place_everything(f32_copy)
     assert LLM(f32_copy, n_ctx=N_CTX, vram_budget=budget, accelerator="cpu",
-               gpu_index="reset").hybrid.plan.solve_seconds is not None
-    disabled = LLM(f32_copy, n_ctx=N_CTX, vram_budget=budget, accelerator="cpu", gpu_index="disable").hybrid
+               gpu_index="reset").placement.plan.solve_seconds is not None
+    disabled = LLM(f32_copy, n_ctx=N_CTX, vram_budget=budget, accelerator="cpu", gpu_index="disable").placement
     assert not any(disabled.has_hot(i) for i in range(2)) and disabled.dense.layers == {0, 1}  # dense parts still go
     assert "GPU index disabled" in capsys.readouterr().err
     with pytest.raises(PowerInferError, match="needs dtype 'auto'"):
@@ -244,7 +265,7 @@ def test_llm_rebuilds_a_corrupt_index_and_honours_reset_and_disable(f32_copy, ca
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the note printed without a CUDA device")
 def test_without_cuda_a_budget_is_a_one_line_note(f32_copy, capsys):
     llm = LLM(f32_copy, n_ctx=N_CTX, vram_budget=4.0)
-    assert llm.hybrid is None and not any(isinstance(b.ffn, HybridFFN) for b in llm.model.blocks)
+    assert llm.placement is None and not any(isinstance(b.ffn, HybridFFN) for b in llm.model.blocks)
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["powerinfer: no CUDA device: the VRAM budget is ignored and everything runs on the CPU"]
     assert not index_path(f32_copy).exists()
@@ -264,3 +285,44 @@ def test_cli_flags_reach_the_hybrid_engine(f32_copy, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args([*args, "--reset-gpu-index", "--disable-gpu-index"])
     assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n_gpu_layers", [1, 2, 3])
+def test_layer_offload_gives_the_cpu_result(relu_models, ids, n_gpu_layers, capsys):
+    """llama.cpp's -ngl with the CPU standing in: the last N blocks move whole (FFNs dense), the
+    output head too when N exceeds the block count."""
+    path = relu_models["f32"]
+    cpu = LLM(path, n_ctx=N_CTX, sparsity="off")
+    offloaded = LLM(path, n_ctx=N_CTX, sparsity="off", n_gpu_layers=n_gpu_layers, accelerator="cpu")
+    assert [b.offloaded for b in offloaded.model.blocks] == [i >= 2 - n_gpu_layers for i in range(2)]
+    assert all(isinstance(b.ffn, DenseFFN) for b in offloaded.model.blocks)
+    assert offloaded.placement.dense.output == (n_gpu_layers > 2)
+    assert f"{min(n_gpu_layers, 2)}/2 layers offloaded whole" in capsys.readouterr().err
+    for got, expected in zip(logits(offloaded.model, ids), logits(cpu.model, ids)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4 * expected.abs().max().item())
+    with pytest.raises(PowerInferError, match="not both"):
+        LLM(path, n_ctx=N_CTX, n_gpu_layers=1, vram_budget=1.0, accelerator="cpu")
+
+
+def test_the_budget_counts_every_kv_slot(relu_models):
+    """A server's --parallel slots each hold a KV cache: a budget that fits the dense parts of every
+    block with one slot fits fewer blocks with four."""
+    gguf = open_gguf(relu_models["f32"])
+    config = read_config(gguf)
+    one, four = dense_parts(gguf, config, N_CTX, 1), dense_parts(gguf, config, N_CTX, 4)
+    kv_per_slot = 2 * N_CTX * config.kv_dim * 2  # keys and values, float16
+    assert [b - a for a, b in zip(one.layers, four.layers)] == [3 * kv_per_slot] * config.n_layers
+    budget = sum(one.layers) / 2**30
+    placed = lambda parallel: LLM(relu_models["f32"], n_ctx=N_CTX, vram_budget=budget, accelerator="cpu",  # noqa: E731
+                                  gpu_index="disable", parallel=parallel).placement.dense.layers
+    assert placed(1) == {0, 1} and placed(4) == {1}
+
+
+def test_models_know_nothing_of_placement(relu_models):
+    """Importing the models, or running without a budget, loads neither the placement package nor
+    the hybrid executor."""
+    script = (f"import sys; from powerinfer import LLM; LLM({str(relu_models['f32'])!r}, n_ctx=32).generate('a', 2); "
+              "loaded = [m for m in sys.modules if m.startswith('powerinfer.placement') or m.endswith('hybrid_ffn')]; "
+              "assert not loaded, loaded")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr

@@ -12,20 +12,22 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from powerinfer.config import ModelConfig
+
 from powerinfer.errors import PowerInferError
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.writer import TensorData, write_gguf
-from powerinfer.models import load_model
-from powerinfer.models.ffn import FFNOptions, down_rows
+from powerinfer.config import FFNActivation
+from powerinfer.models import load_model, read_config
+from powerinfer.models.ffn import FFNOptions, FFNTensors
+from powerinfer.models.hybrid_ffn import KernelNeurons
+from powerinfer.placement.apply import apply_placement
 from powerinfer.ops.linear import CPU
-from powerinfer.ops.neuron import NeuronStore
 from powerinfer.placement.costs import ModelShape, Speeds, dense_parts, model_shape
 from powerinfer.placement.gpu_index import (ARCHITECTURE, index_path, load_gpu_index, read_gpu_index,
                                             write_gpu_index)
-from powerinfer.placement.planner import DensePlacement, neuron_budget, place_dense, plan_for_model
+from powerinfer.placement.planner import neuron_budget, place_dense, plan_for_model
 from powerinfer.placement.solver import Plan, Problem, layer_groups, plan_from_counts, solve_counts
-from powerinfer.runtime.hybrid import HybridOptions, KernelNeurons
+from powerinfer.placement.spec import DensePlacement, Placement
 
 # ---------------------------------------------------------------- the solver against brute force
 
@@ -192,13 +194,9 @@ def test_corrupt_index_is_reported_and_ignored(tmp_path, damage):
 # ---------------------------------------------------------------- a model's placement
 
 @pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    """A tiny ReLU llama in f32 and q4_0 (no tokenizer: placement reads tensors and metadata only)."""
-    from conftest import convert_each, make_tiny_llama
-
-    folder = tmp_path_factory.mktemp("tiny-relu-placement")
-    make_tiny_llama(folder, "relu")
-    return convert_each(folder, ("f32", "q4_0"))
+def tiny_models(tiny_relu) -> dict[str, Path]:
+    """A tiny ReLU llama in f32 and q4_0, each in its own folder."""
+    return {outtype: tiny_relu(outtype) for outtype in ("f32", "q4_0")}
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q4_0"])
@@ -206,8 +204,8 @@ def test_costs_match_what_the_accelerator_holds(tiny_models, outtype):
     """The cost model's bytes are those of the objects an accelerator gets: neuron records (the CPU
     standing in), the CUDA neuron layout, and every block's dense parts and the output head."""
     gguf = open_gguf(tiny_models[outtype])
-    config = ModelConfig.from_gguf(gguf)
-    store = NeuronStore(gguf.tensor("blk.0.ffn_gate.weight"), gguf.tensor("blk.0.ffn_up.weight"), down_rows(gguf, 0))
+    config = read_config(gguf)
+    store = FFNTensors.read(gguf, 0, FFNActivation.RELU_GATED).neuron_store()
     shape = model_shape(gguf, config)
     assert shape.n_ff == (160, 160) and shape.neuron_bytes == (store.record_bytes,) * 2
     kernel = KernelNeurons(store, torch.arange(64), CPU)  # the int4 layer's byte count is the same on any device
@@ -216,7 +214,8 @@ def test_costs_match_what_the_accelerator_holds(tiny_models, outtype):
     parts = dense_parts(gguf, config, 100)
     everything = DensePlacement(frozenset(range(config.n_layers)), True, parts.total)
     nothing_hot = Plan((np.zeros(0, dtype=np.int32),) * 2, (160, 160), 0, 0, None, None, None, None)
-    model = load_model(gguf, 100, FFNOptions(sparsity="off", hybrid=HybridOptions(CPU, nothing_hot, everything)))
+    model = load_model(gguf, 100, FFNOptions(sparsity="off"))
+    apply_placement(model, Placement(CPU, nothing_hot, everything))
     kv_float16 = 2 * 2 * 100 * config.kv_dim
     for i, block in enumerate(model.blocks):
         attention = block.attention.qkv.nbytes + block.attention.output.nbytes
@@ -228,7 +227,7 @@ def test_costs_match_what_the_accelerator_holds(tiny_models, outtype):
 def test_index_is_reused_rebuilt_on_reset_and_when_the_budget_shrinks(tiny_models):
     path = tiny_models["q4_0"]
     gguf = open_gguf(path)
-    config = ModelConfig.from_gguf(gguf)
+    config = read_config(gguf)
     dense = dense_parts(gguf, config, 64).total
     notes = []
     plan = lambda budget, **kw: plan_for_model(gguf, config, path, 64, dense + budget, note=notes.append, **kw)  # noqa: E731
@@ -250,10 +249,10 @@ def test_index_is_reused_rebuilt_on_reset_and_when_the_budget_shrinks(tiny_model
     assert not index.exists()
     # a budget short of the dense parts: the blocks that fit go first, what is left goes to neurons
     parts = dense_parts(gguf, config, 64)
-    assert neuron_budget(gguf, config, 64, dense - 1) == parts.layers[0] - 1
+    assert neuron_budget(gguf, config, 64, 1, dense - 1) == parts.layers[0] - 1
     short = parts.output - 1  # the output head does not fit, the blocks still do
     assert place_dense(parts, short).layers == {0, 1} and not place_dense(parts, short).output
-    assert neuron_budget(gguf, config, 64, short) == short - sum(parts.layers)
+    assert neuron_budget(gguf, config, 64, 1, short) == short - sum(parts.layers)
 
 
 def test_statistics_decide_the_placement(tiny_models, tmp_path):
@@ -264,7 +263,7 @@ def test_statistics_decide_the_placement(tiny_models, tmp_path):
     ActivationProfile("relu", 40, [0.0, 0.0], hot).save(tmp_path)
     path = tiny_models["f32"]
     gguf = open_gguf(path)
-    config = ModelConfig.from_gguf(gguf)
+    config = read_config(gguf)
     neuron = model_shape(gguf, config).neuron_bytes[0]
     budget = dense_parts(gguf, config, 64).total + 5 * neuron
     plan = plan_for_model(gguf, config, path, 64, budget, index="memory", activations=tmp_path,

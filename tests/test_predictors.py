@@ -10,13 +10,15 @@ import pytest
 import torch
 from gguf import GGUFReader, GGUFValueType
 
-from powerinfer.config import ACTIVATION_KEY, FFNActivation, ModelConfig
+from powerinfer.config import ACTIVATION_KEY, FFNActivation
 from powerinfer.convert.encode import parse_outtype
 from powerinfer.convert.hf import hf_source
 from powerinfer.convert.model import gguf_source, write_model
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.reader import PWRI_MAGIC
-from powerinfer.models.ffn import SPARSE_THRESHOLD_KEY, SparseFFN
+from powerinfer.models import read_config
+from powerinfer.models.ffn import SparseFFN
+from powerinfer.models.predictor import SPARSE_THRESHOLD_KEY
 from powerinfer.sparsity.predictors import TrainedPredictor, TrainingOptions, load_predictors, save_predictors, train_predictors
 from powerinfer.sparsity.profiler import calibration_chunks, firing_thresholds
 from test_cli import assert_one_line_error, powerinfer
@@ -132,8 +134,8 @@ def test_powerinfer_gguf_from_a_gguf_keeps_its_activation(trained, tmp_path, ids
     write_model(source, plain, None, progress=False)
     assert open_gguf(plain).get(ACTIVATION_KEY) is None
     write_model(gguf_source(plain), pwri, None, load_predictors(out), progress=False)
-    assert ModelConfig.from_gguf(open_gguf(plain)).activation == FFNActivation.SILU_GATED
-    assert ModelConfig.from_gguf(open_gguf(pwri)).activation == FFNActivation.SILU_GATED
+    assert read_config(open_gguf(plain)).activation == FFNActivation.SILU_GATED
+    assert read_config(open_gguf(pwri)).activation == FFNActivation.SILU_GATED
     dense = decode_logits(engine(plain, sparsity="off"), ids)
     records = decode_logits(engine(pwri, sparsity="off"), ids)  # neuron records: down re-encoded as Q8_0
     assert (records - dense).norm() / dense.norm() < 0.1  # a wrong activation gives ~1
@@ -148,10 +150,14 @@ def test_sparse_modes_on_powerinfer_gguf(trained, tmp_path, ids):
     auto_engine = engine(path, sparsity="auto")
     assert all(isinstance(b.ffn, SparseFFN) and b.ffn.mode == "auto" for b in auto_engine.model.blocks)
     auto = decode_logits(auto_engine, ids)
-    # Missed neurons (1 % of those that fire) are near-zero for ReLU, up to the calibrated
-    # threshold's size for SiLU: a larger error there.
-    limit = 0.05 if hf_model.config.hidden_act == "relu" else 0.1
+    # Each token, prompt tokens included, computes only the neurons predicted for it. Missed neurons
+    # (1 % of those that fire) are near-zero for ReLU, up to the calibrated threshold's size for
+    # SiLU: a larger error there.
+    limit = 0.07 if hf_model.config.hidden_act == "relu" else 0.15
     assert (auto - dense).norm() / dense.norm() < limit
+    # the same per-token choice whether rows come a few at a time (neuron kernels) or many (masked GEMMs)
+    many_rows = auto_engine.all_logits(ids)[5:]
+    torch.testing.assert_close(auto, many_rows, rtol=0, atol=1e-3 * many_rows.abs().max().item())
     if hf_model.config.hidden_act == "relu":
         assert all(b.ffn.last_active < b.ffn.store.n_ff for b in auto_engine.model.blocks)  # neurons were skipped
         oracle = decode_logits(engine(path, sparsity="oracle"), ids)
@@ -172,7 +178,7 @@ def test_quantize_keeps_predictors(trained, tmp_path, ids):
     assert target.get(SPARSE_THRESHOLD_KEY) == source.get(SPARSE_THRESHOLD_KEY)
     dense = decode_logits(engine(pwri, sparsity="off"), ids)
     auto = decode_logits(engine(quantized, sparsity="auto"), ids)
-    assert (auto - dense).norm() / dense.norm() < 0.1
+    assert (auto - dense).norm() / dense.norm() < 0.15  # each token computes its own predicted neurons
 
 
 def test_convert_rejects_predictors_of_another_model(trained, tmp_path):
@@ -201,3 +207,26 @@ def test_bad_inputs_to_the_sparsity_tools(trained, tmp_path):
     bad_arch.mkdir()
     (bad_arch / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     assert_one_line_error(powerinfer("convert", str(bad_arch), "--outfile", str(target)), "unsupported architecture")
+
+
+def test_quantized_predictors_stay_compact(tmp_path):
+    """PowerInfer's quantizer writes fc1/fc2 as Q4_0: they stay in their blocks, on our kernels, and
+    score as their exact weights do (to the kernel's bfloat16 rounding)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    from powerinfer.gguf.writer import TensorData, write_gguf
+    from powerinfer.models.predictor import load_predictor
+    from powerinfer.ops.linear import DenseLinear
+
+    rng = np.random.default_rng(0)
+    weights = {"fc1": rng.standard_normal((64, 96)).astype(np.float32), "fc2": rng.standard_normal((128, 64)).astype(np.float32)}
+    path = tmp_path / "p.gguf"
+    write_gguf(path, "llama", {}, [TensorData(f"blk.0.{n}.weight", quants.quantize(w, T.Q4_0), T.Q4_0) for n, w in weights.items()])
+    predictor = load_predictor(open_gguf(path), 0)
+    bfloat16_bytes = (64 * 96 + 128 * 64) * 2
+    assert not isinstance(predictor.fc1, DenseLinear) and predictor.nbytes < bfloat16_bytes / 2
+    exact = {n: torch.from_numpy(quants.dequantize(quants.quantize(w, T.Q4_0), T.Q4_0)) for n, w in weights.items()}
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0))
+    expected = torch.relu(x @ exact["fc1"].T) @ exact["fc2"].T
+    torch.testing.assert_close(predictor.scores(x), expected, rtol=0, atol=2e-2 * expected.abs().max().item())

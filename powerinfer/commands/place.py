@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from powerinfer.config import ModelConfig
+from powerinfer.models import read_config
 from powerinfer.gguf.reader import open_gguf
 from powerinfer.llm import DEFAULT_N_CTX
 from powerinfer.placement.costs import GiB, Speeds, dense_parts, measure_cpu_bandwidth, model_shape
@@ -17,7 +17,7 @@ from powerinfer.placement.solver import plan_from_counts
 
 def main(args: argparse.Namespace) -> int:
     gguf = open_gguf(args.model)
-    config = ModelConfig.from_gguf(gguf)
+    config = read_config(gguf)
     n_ctx = args.ctx_size or min(DEFAULT_N_CTX, config.n_ctx_train)
     shape = model_shape(gguf, config, "cuda")
     cpu_bandwidth = measure_cpu_bandwidth() if args.measure else (args.cpu_bandwidth or 24.0) * 1e9

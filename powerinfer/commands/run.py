@@ -22,8 +22,9 @@ def hybrid_arguments(args: argparse.Namespace) -> dict:
     """LLM keywords from the --vram-budget family of flags (absent on some commands)."""
     gpu_index = "reset" if getattr(args, "reset_gpu_index", False) else \
         "disable" if getattr(args, "disable_gpu_index", False) else "reuse"
-    return dict(vram_budget=getattr(args, "vram_budget", None), gpu_index=gpu_index,
-                activations=getattr(args, "activations", None), accelerator=getattr(args, "accelerator", None))
+    return dict(vram_budget=getattr(args, "vram_budget", None), n_gpu_layers=getattr(args, "n_gpu_layers", None),
+                gpu_index=gpu_index, activations=getattr(args, "activations", None),
+                accelerator=getattr(args, "accelerator", None), parallel=getattr(args, "parallel", 1))
 
 
 def max_tokens(n_predict: int, llm) -> int:

@@ -22,11 +22,13 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, quants
 from tqdm import tqdm
 
-from powerinfer.config import ACTIVATION_KEY, ModelConfig
+from powerinfer.config import ACTIVATION_KEY
 from powerinfer.convert.encode import FILE_TYPES, encode_tensor
 from powerinfer.gguf.reader import GGUFTensor, open_gguf, tolerant_reader
 from powerinfer.gguf.writer import TensorData, write_gguf
-from powerinfer.models.ffn import ACTIVATION_THRESHOLDS_KEY, LAYER_THRESHOLDS_KEY, SPARSE_THRESHOLD_KEY
+from powerinfer.models import read_config
+from powerinfer.models.ffn import ACTIVATION_THRESHOLDS_KEY
+from powerinfer.models.predictor import LAYER_THRESHOLDS_KEY, SPARSE_THRESHOLD_KEY
 from powerinfer.sparsity.predictors import PredictorDirectory
 
 T = GGMLQuantizationType
@@ -67,7 +69,7 @@ def gguf_source(path: str | Path) -> ModelSource:
     arch = gguf.require("general.architecture")
     # The activation as this file implies it, stored explicitly: a llama GGUF without the key is
     # SiLU, but a PowerInfer GGUF without it would read as ReLU-Llama.
-    metadata = {} if ACTIVATION_KEY in typed else {ACTIVATION_KEY: ModelConfig.from_gguf(gguf).activation.value}
+    metadata = {} if ACTIVATION_KEY in typed else {ACTIVATION_KEY: read_config(gguf).activation.value}
     return ModelSource(gguf.path, arch, metadata, typed, iter(gguf.tensors.items()),
                        *(int(gguf.require(f"{arch}.{k}")) for k in ("block_count", "embedding_length", "feed_forward_length")),
                        has_predictors="blk.0.fc1.weight" in gguf.tensors)

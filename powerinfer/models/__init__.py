@@ -1,15 +1,21 @@
-"""Architectures behind one contract (`CausalLM`), chosen from GGUF metadata."""
+"""Architectures behind one contract (`CausalLM`), chosen from GGUF metadata by the registry.
+
+Models are built on the CPU and know nothing of accelerators: `powerinfer.placement` moves parts
+of a finished model to one.
+"""
 
 from __future__ import annotations
 
 import ctypes
 
-from powerinfer.config import LLAMA_FAMILY, ModelConfig
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
-from powerinfer.models.base import CausalLM
+from powerinfer.models.base import CausalLM, DecoderLM
 from powerinfer.models.ffn import FFNOptions
+from powerinfer.models.registry import architecture_of, read_config
 from powerinfer.ops.quant import SUPPORTED_TYPES
+
+__all__ = ["CausalLM", "DecoderLM", "FFNOptions", "load_model", "read_config"]
 
 
 def check_tensor_types(gguf: GGUFFile) -> None:
@@ -18,24 +24,14 @@ def check_tensor_types(gguf: GGUFFile) -> None:
             raise UnsupportedModelError(f"{gguf.path}: unsupported tensor type {tensor.ggml_type.name} ({tensor.name})")
 
 
-def load_model(gguf: GGUFFile, n_ctx: int, options: FFNOptions = FFNOptions()) -> CausalLM:
-    """Build the model a GGUF file describes (`options`: sparsity mode, float32 reference mode)."""
-    config = ModelConfig.from_gguf(gguf)
+def load_model(gguf: GGUFFile, n_ctx: int, options: FFNOptions = FFNOptions()) -> DecoderLM:
+    """Build the model a GGUF file describes, on the CPU (`options`: sparsity mode, float32
+    reference mode), after checking every tensor it reads against its configuration."""
+    arch = architecture_of(gguf)
+    config = read_config(gguf)
     check_tensor_types(gguf)
-    if config.architecture in LLAMA_FAMILY:
-        from powerinfer.models.llama import LlamaModel
-
-        model = LlamaModel(gguf, config, n_ctx, options)
-    elif config.architecture == "falcon":
-        from powerinfer.models.falcon import FalconModel
-
-        model = FalconModel(gguf, config, n_ctx, options)
-    elif config.architecture == "opt":
-        from powerinfer.models.opt import OPTModel
-
-        model = OPTModel(gguf, config, n_ctx, options)
-    else:  # pragma: no cover - from_gguf already rejects these
-        raise UnsupportedModelError(f"unsupported architecture {config.architecture}")
+    arch.tensors(config).check(gguf)
+    model = arch.model(gguf, config, n_ctx, options)
     gguf.release_pages()
     release_freed_memory()
     return model

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
-from typing import Literal
+from collections.abc import Iterable, Sequence
+from typing import ClassVar, Literal
 
 import torch
 from tqdm import tqdm
 
 from powerinfer.config import ModelConfig
-from powerinfer.ops.linear import Linear
+from powerinfer.gguf.reader import GGUFFile
+from powerinfer.models.ffn import FFNOptions
+from powerinfer.models.layers import DecoderBlock, Embedding, LayerNorm, RMSNorm, projection_builder
+from powerinfer.ops.linear import CPU, Linear
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
+
+Which = Literal["all", "last", "hidden"]
 
 
 class CausalLM(ABC):
@@ -19,14 +24,15 @@ class CausalLM(ABC):
 
     `forward` takes the tokens of one or more sequences concatenated (one span per sequence, in
     order), stores their keys and values in the cache, and returns float32 logits: for every
-    token (`which="all"`) or for the last token of each span (`which="last"`).
+    token (`which="all"`) or for the last token of each span (`which="last"`); `which="hidden"`
+    returns every token's final normalized hidden state instead (for embeddings).
     """
 
     config: ModelConfig
 
     @abstractmethod
     def forward(
-        self, tokens: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache, which: Literal["all", "last"] = "last"
+        self, tokens: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache, which: Which = "last"
     ) -> torch.Tensor: ...
 
     @property
@@ -50,16 +56,29 @@ def layer_progress(n_layers: int) -> Iterable[int]:
 
 
 class DecoderLM(CausalLM):
-    """What llama, Falcon and OPT share: token `embedding`, `blocks` (each with `attention`, `ffn`
-    and the `device` of its dense parts, called as block(x, spans, cache)), `output_norm` and the
-    `output` projection on `output_device`. x moves to each block's device as it goes; logits come
-    back to the CPU."""
+    """What every architecture shares: the token `embedding`, `blocks` (`DecoderBlock`s, called as
+    block(x, spans, cache)), the final norm and the output head: `output.weight`, or the token
+    embedding where the file ties them. Subclasses say how their norms load (`norm`) and build
+    their blocks (`build_block`). x moves to each block's device as it goes; logits come back to
+    the CPU."""
 
-    embedding: Callable[[torch.Tensor], torch.Tensor]
-    blocks: list
-    output_norm: Callable[[torch.Tensor], torch.Tensor]
-    output: Linear
-    output_device: torch.device = torch.device("cpu")
+    norm: ClassVar[type[RMSNorm] | type[LayerNorm]]
+
+    def __init__(self, gguf: GGUFFile, config: ModelConfig, options: FFNOptions):
+        self.config = config
+        self.embedding = Embedding(gguf.tensor("token_embd.weight"))
+        self.blocks: list[DecoderBlock] = [self.build_block(gguf, i, options) for i in layer_progress(config.n_layers)]
+        self.output_norm = self.norm.load(gguf, "output_norm", config.norm_eps)
+        tied = "output.weight" not in gguf.tensors
+        self.output: Linear = projection_builder(gguf, options.float32)("token_embd.weight" if tied else "output.weight")
+        self.output_device = CPU
+
+    @abstractmethod
+    def build_block(self, gguf: GGUFFile, layer: int, options: FFNOptions) -> DecoderBlock: ...
+
+    def output_to(self, device: torch.device) -> None:
+        """Move the final norm and the output head to `device`."""
+        self.output_norm, self.output, self.output_device = self.output_norm.to(device), self.output.to(device), device
 
     @property
     def cache_devices(self) -> list[torch.device]:
@@ -69,20 +88,21 @@ class DecoderLM(CausalLM):
         return self.embedding(tokens)
 
     def forward(self, tokens: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache,
-                which: Literal["all", "last"] = "last") -> torch.Tensor:
+                which: Which = "last") -> torch.Tensor:
         x = self.embed(tokens, spans)
         for block in self.blocks:
             x = block(x, spans, cache)
         return self.logits(x, spans, which)
 
-    def logits(self, x: torch.Tensor, spans: Sequence[SeqSpan], which: Literal["all", "last"]) -> torch.Tensor:
-        """float32 logits from the last block's output x (all rows, or each span's last row)."""
+    def logits(self, x: torch.Tensor, spans: Sequence[SeqSpan], which: Which) -> torch.Tensor:
+        """float32 logits from the last block's output x (all rows, or each span's last row), or
+        with "hidden" the normalized rows themselves."""
         if which == "last" and x.shape[0] > len(spans):
             ends = torch.cumsum(torch.tensor([s.length for s in spans]), 0)
             x = x[ends.to(x.device) - 1]
-        return self.output(self.output_norm(x.to(self.output_device))).float().cpu()
+        hidden = self.output_norm(x.to(self.output_device))
+        return (hidden if which == "hidden" else self.output(hidden)).float().cpu()
 
     @property
     def weight_bytes_per_token(self) -> int:
-        per_block = sum(b.attention.qkv.nbytes + b.attention.output.nbytes + b.ffn.nbytes for b in self.blocks)
-        return per_block + self.output.nbytes
+        return sum(b.attention.nbytes + b.ffn.nbytes for b in self.blocks) + self.output.nbytes

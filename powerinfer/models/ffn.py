@@ -2,39 +2,97 @@
 
 Both expose `activations(h)` (every neuron's activation) and `project(a)` (the down projection),
 which the profiler and predictor training observe, and `__call__(h, residual)`; `residual` is the
-block input before the FFN norm, the predictor's input (as in PowerInfer).
+block input before the FFN norm, the predictor's input (as in PowerInfer). Each keeps the file
+tensors it was built from (`FFNTensors`), so that placement can rebuild it in the other form: a
+neuron store for a layer split between devices, dense for a layer offloaded whole.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from gguf import quants
 
 from powerinfer.config import FFNActivation
 from powerinfer.errors import PowerInferError, UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
+from powerinfer.models.predictor import Predictor, has_predictors, load_predictor
 from powerinfer.ops.activation import activate
-from powerinfer.ops.linear import CPU, BiasedLinear, DenseLinear, Linear, float_vector, mapped_tensor
+from powerinfer.ops.linear import BiasedLinear, DenseLinear, Linear, build_linear, dequantized, float_vector
 from powerinfer.ops.neuron import NeuronStore, accumulate_rows, gather_matvec, sparse_ffn
-from powerinfer.ops.quant import FLOAT_TYPES, T, dequantize_rows
-
-if TYPE_CHECKING:
-    from powerinfer.runtime.hybrid import HybridOptions
+from powerinfer.ops.quant import FLOAT_TYPES, T
 
 SparsityMode = Literal["auto", "off", "oracle"]
 MAX_SPARSE_ROWS = 8  # beyond this many tokens at once (prefill) the FFN runs as masked dense GEMMs
+ACTIVATION_THRESHOLDS_KEY = "powerinfer.activation_thresholds"  # ours: calibrated |a| thresholds per layer
+
+
+@dataclass(frozen=True)
+class FFNTensors:
+    """One layer's FFN weights in the file: `down` is ffn_down [n_embd, n_ff], or, in a PowerInfer
+    GGUF, ffn_down_t [n_ff, n_embd] (`transposed`). Biases (OPT) as float32."""
+
+    layer: int
+    activation: FFNActivation
+    gate: GGUFTensor | None
+    up: GGUFTensor
+    down: GGUFTensor
+    transposed: bool
+    up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+
+    @classmethod
+    def read(cls, gguf: GGUFFile, layer: int, activation: FFNActivation) -> FFNTensors:
+        name = lambda part, kind="weight": f"blk.{layer}.{part}.{kind}"  # noqa: E731
+        if name("ffn_gate", "bias") in gguf.tensors:
+            raise UnsupportedModelError(f"{gguf.path}: FFN gate biases are not supported")
+        transposed = name("ffn_down_t") in gguf.tensors
+        return cls(layer, activation, gguf.tensor(name("ffn_gate")) if activation.is_gated else None,
+                   gguf.tensor(name("ffn_up")), gguf.tensor(name("ffn_down_t" if transposed else "ffn_down")), transposed,
+                   # PowerInfer names OPT's down bias after the tensor it goes with: ffn_down_t.bias in its files
+                   _bias(gguf, name("ffn_up", "bias")), _bias(gguf, name("ffn_down", "bias"), name("ffn_down_t", "bias")))
+
+    def dense(self, float32: bool = False) -> DenseFFN:
+        up = build_linear([self.gate, self.up] if self.gate is not None else [self.up], float32)
+        if self.up_bias is not None:
+            n_gate = 0 if self.gate is None else self.gate.shape[0]
+            up = BiasedLinear(up, torch.cat([torch.zeros(n_gate), self.up_bias]))
+        # a PowerInfer file's down projection is stored transposed: its dense form is the transpose
+        down = DenseLinear(dequantized(self.down).T.contiguous()) if self.transposed else build_linear([self.down], float32)
+        if self.down_bias is not None:
+            down = BiasedLinear(down, self.down_bias)
+        return DenseFFN(up, down, self.activation, self)
+
+    def neuron_store(self) -> NeuronStore:
+        return NeuronStore(self.gate, self.up, self.down_rows(), self.up_bias, self.down_bias)
+
+    def down_rows(self) -> GGUFTensor | torch.Tensor:
+        """The down projection as one row per neuron: ffn_down_t as stored, else ffn_down transposed,
+        kept in float32 for float files and re-encoded as Q8_0 otherwise (the file's blocks run along
+        the other axis)."""
+        if self.transposed:
+            return self.down
+        rows = dequantized(self.down).T.contiguous()
+        if self.down.ggml_type in FLOAT_TYPES:
+            return rows
+        name = f"blk.{self.layer}.ffn_down_t.weight"
+        return GGUFTensor(name, T.Q8_0, tuple(rows.shape), quants.quantize(rows.numpy(), T.Q8_0))
+
+
+def _bias(gguf: GGUFFile, *names: str) -> torch.Tensor | None:
+    """The first of the bias tensors `names` that the file has, as float32."""
+    tensor = next((gguf.tensors[n] for n in names if n in gguf.tensors), None)
+    return None if tensor is None else float_vector(tensor)
 
 
 class DenseFFN:
     """The feed-forward block computed for every neuron."""
 
-    def __init__(self, up: Linear, down: Linear, activation: FFNActivation):
+    def __init__(self, up: Linear, down: Linear, activation: FFNActivation, tensors: FFNTensors):
         # `up` holds [gate; up] stacked for gated activations, `up` alone otherwise.
-        self.up, self.down, self.activation = up, down, activation
+        self.up, self.down, self.activation, self.tensors = up, down, activation, tensors
 
     def activations(self, h: torch.Tensor) -> torch.Tensor:
         return activate(self.up(h), self.activation)
@@ -45,51 +103,32 @@ class DenseFFN:
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self.down(activate(self.up(h), self.activation))
 
+    def to(self, device: torch.device) -> DenseFFN:
+        return DenseFFN(self.up.to(device), self.down.to(device), self.activation, self.tensors)
+
+    def sparse(self) -> SparseFFN:
+        """This FFN over neuron records, computing every neuron (mode "off")."""
+        return SparseFFN(self.tensors.neuron_store(), self.activation, "off", tensors=self.tensors)
+
     @property
     def nbytes(self) -> int:
         return self.up.nbytes + self.down.nbytes
 
 
-class Predictor:
-    """PowerInfer's activation predictor: scores = fc2(relu(fc1(x))); a neuron is predicted to fire
-    when its score is >= the threshold."""
-
-    def __init__(self, fc1: torch.Tensor, fc2: torch.Tensor, threshold: float):
-        # bfloat16: torch's fast CPU matmul for one row; the predictor reads as many bytes per
-        # token as a good share of the neurons it saves.
-        self.fc1, self.fc2 = fc1.to(torch.bfloat16).contiguous(), fc2.to(torch.bfloat16).contiguous()
-        self.threshold = threshold
-
-    def scores(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.relu(F.linear(x.to(torch.bfloat16), self.fc1)), self.fc2).float()
-
-    def to(self, device: torch.device) -> "Predictor":
-        return Predictor(self.fc1.to(device), self.fc2.to(device), self.threshold)
-
-    def active(self, x: torch.Tensor) -> torch.Tensor:
-        """Sorted ids of the neurons predicted to fire for any row of x."""
-        fires = self.scores(x) >= self.threshold
-        return torch.nonzero(fires.any(0) if fires.shape[0] > 1 else fires[0]).flatten()
-
-    @property
-    def nbytes(self) -> int:
-        return self.fc1.nbytes + self.fc2.nbytes
-
-
 class SparseFFN:
     """An FFN over per-neuron records that computes only the neurons that fire.
 
-    mode "auto": neurons chosen by the predictor; "oracle": every activation is computed and the
-    neurons whose |activation| <= threshold are skipped in the down projection (the exact result
-    for ReLU-family models with threshold 0); "off": all neurons.
+    mode "auto": neurons chosen by the predictor, per token; "oracle": every activation is computed
+    and the neurons whose |activation| <= threshold are skipped in the down projection (the exact
+    result for ReLU-family models with threshold 0); "off": all neurons.
     """
 
     def __init__(self, store: NeuronStore, activation: FFNActivation, mode: SparsityMode,
-                 predictor: Predictor | None = None, threshold: float = 0.0):
+                 predictor: Predictor | None = None, threshold: float = 0.0, tensors: FFNTensors | None = None):
         if mode == "auto" and predictor is None:
             raise ValueError("sparsity 'auto' needs a predictor")
         self.store, self.activation, self.mode = store, activation, mode
-        self.predictor, self.threshold = predictor, threshold
+        self.predictor, self.threshold, self.tensors = predictor, threshold, tensors
         self._all = torch.arange(store.n_ff)
         self.last_active = store.n_ff  # neurons computed in the last call (for statistics)
 
@@ -121,12 +160,12 @@ class SparseFFN:
             return s.add_down_bias(self._dense(a, self._weights(s.down, idx)))
         return s.add_down_bias(accumulate_rows(s, s.down, a, self._all if idx is None else idx))
 
-    def fired(self, a: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """Which neurons each row computes ([rows, n_ff] bool): the predictor's choice ("auto") or
-        those whose |activation| exceeds the threshold ("oracle")."""
+    def fired(self, a: torch.Tensor | None, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """Which neurons each row computes ([rows, n_ff] bool): the predictor's choice ("auto", from
+        the residual; `a` unused) or those whose |activation| exceeds the threshold ("oracle")."""
         if self.mode == "oracle":
             return a.abs() > self.threshold
-        return self.predictor.scores(h if residual is None else residual) >= self.predictor.threshold
+        return self.predictor.fires(h if residual is None else residual)
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if h.shape[0] > MAX_SPARSE_ROWS:
@@ -139,19 +178,22 @@ class SparseFFN:
         if self.mode == "off":
             self.last_active = self.store.n_ff
             return self.store.add_down_bias(sparse_ffn(self.store, self.activation, h, self._all))
-        if self.mode == "oracle":
-            a = self.activations(h)
-            fired = self.fired(a, h, residual)
-            idx = torch.nonzero(fired.any(0) if fired.shape[0] > 1 else fired[0]).flatten()
-            self.last_active = len(idx)
-            return self.project((a * fired)[:, idx], idx)
-        idx = self.predictor.active(h if residual is None else residual)
+        a = self.activations(h) if self.mode == "oracle" else None
+        fired = self.fired(a, h, residual)
+        idx = union(fired)  # read once for all rows; each row keeps its own choice
         self.last_active = len(idx)
-        return self.store.add_down_bias(sparse_ffn(self.store, self.activation, h, idx))
+        if a is not None:
+            return self.project((a * fired)[:, idx], idx)
+        return self.store.add_down_bias(sparse_ffn(self.store, self.activation, h, idx, fired[:, idx]))
 
     @property
     def nbytes(self) -> int:
         return self.store.nbytes + (self.predictor.nbytes if self.predictor is not None else 0)
+
+
+def union(fired: torch.Tensor) -> torch.Tensor:
+    """Sorted ids of the neurons any row of `fired` [rows, n] chose."""
+    return torch.nonzero(fired.any(0) if fired.shape[0] > 1 else fired[0]).flatten()
 
 
 # ---------------------------------------------------------------- building FFNs from a GGUF file
@@ -159,60 +201,11 @@ class SparseFFN:
 @dataclass(frozen=True)
 class FFNOptions:
     """How FFNs are built. `thresholds`: per-layer |activation| thresholds for oracle mode
-    (default: the file's calibrated ones; 0 for ReLU-family models). `hybrid`: what runs on the
-    accelerator (a layer with hot neurons or offloaded dense parts is always built sparse)."""
+    (default: the file's calibrated ones; 0 for ReLU-family models)."""
 
     sparsity: SparsityMode = "auto"
     float32: bool = False
     thresholds: tuple[float, ...] | None = None
-    hybrid: HybridOptions | None = None
-
-
-def offload_device(options: FFNOptions, layer: int | None) -> torch.device | None:
-    """The accelerator that holds block `layer`'s dense parts (None: the output head's), or None
-    when they stay on the CPU."""
-    hybrid = options.hybrid
-    return hybrid.device if hybrid is not None and hybrid.offloads(layer) else None
-
-
-def dense_device(options: FFNOptions, layer: int | None) -> torch.device:
-    """Where block `layer`'s dense parts (None: the output head's) live."""
-    device = offload_device(options, layer)
-    return CPU if device is None else device
-
-
-ACTIVATION_THRESHOLDS_KEY = "powerinfer.activation_thresholds"  # ours: calibrated |a| thresholds per layer
-LAYER_THRESHOLDS_KEY = "powerinfer.layer_sparse_thresholds"  # ours: predictor score thresholds per layer
-SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"  # PowerInfer's: one predictor score threshold
-
-
-def has_predictors(gguf: GGUFFile) -> bool:
-    return "blk.0.fc1.weight" in gguf.tensors
-
-
-def _dequantized(tensor: GGUFTensor) -> torch.Tensor:
-    return dequantize_rows(mapped_tensor(tensor.rows_as_bytes()), tensor.ggml_type, tensor.shape[1])
-
-
-def down_rows(gguf: GGUFFile, layer: int) -> GGUFTensor | torch.Tensor:
-    """The down projection as one row per neuron: ffn_down_t when the file has it (PowerInfer GGUF),
-    else ffn_down transposed, kept in float32 for float files and re-encoded as Q8_0 otherwise (the
-    file's blocks run along the other axis)."""
-    stored = gguf.tensors.get(f"blk.{layer}.ffn_down_t.weight")
-    if stored is not None:
-        return stored
-    down = gguf.tensor(f"blk.{layer}.ffn_down.weight")
-    rows = _dequantized(down).T.contiguous()
-    if down.ggml_type in FLOAT_TYPES:
-        return rows
-    return GGUFTensor(f"blk.{layer}.ffn_down_t.weight", T.Q8_0, tuple(rows.shape), quants.quantize(rows.numpy(), T.Q8_0))
-
-
-def _predictor(gguf: GGUFFile, layer: int) -> Predictor:
-    thresholds = gguf.get(LAYER_THRESHOLDS_KEY)
-    threshold = float(thresholds[layer]) if thresholds else float(gguf.get(SPARSE_THRESHOLD_KEY, 0.0))
-    return Predictor(_dequantized(gguf.tensor(f"blk.{layer}.fc1.weight")),
-                     _dequantized(gguf.tensor(f"blk.{layer}.fc2.weight")), threshold)
 
 
 def _oracle_threshold(gguf: GGUFFile, layer: int, activation: FFNActivation, options: FFNOptions) -> float:
@@ -227,37 +220,17 @@ def _oracle_threshold(gguf: GGUFFile, layer: int, activation: FFNActivation, opt
                           "(run `powerinfer profile` and pass them, or convert with predictors)")
 
 
-def _bias(gguf: GGUFFile, *names: str) -> torch.Tensor | None:
-    """The first of the bias tensors `names` that the file has, as float32."""
-    tensor = next((gguf.tensors[n] for n in names if n in gguf.tensors), None)
-    return None if tensor is None else float_vector(tensor)
-
-
-def build_ffn(gguf: GGUFFile, layer: int, activation: FFNActivation, linear, options: FFNOptions):
-    """The FFN of block `layer`; `linear(*names)` builds a dense projection (with its biases) from
-    weight names."""
-    name = lambda part, kind="weight": f"blk.{layer}.{part}.{kind}"  # noqa: E731
-    if name("ffn_gate", "bias") in gguf.tensors:
-        raise UnsupportedModelError(f"{gguf.path}: FFN gate biases are not supported")
-    stored_down_t = name("ffn_down_t") in gguf.tensors
-    # PowerInfer names OPT's down bias after the tensor it goes with: ffn_down_t.bias in its files
-    down_bias = _bias(gguf, name("ffn_down", "bias"), name("ffn_down_t", "bias"))
-    hybrid = options.hybrid is not None and options.hybrid.splits(layer)
-    if options.float32 or (not hybrid and options.sparsity == "off" and not stored_down_t) or (
-            not hybrid and options.sparsity == "auto" and not has_predictors(gguf) and not stored_down_t):
-        up = [name("ffn_gate"), name("ffn_up")] if activation.is_gated else [name("ffn_up")]
-        if stored_down_t:  # dense from a PowerInfer file: the down projection is the transpose
-            down = DenseLinear(_dequantized(gguf.tensor(name("ffn_down_t"))).T.contiguous())
-            down = down if down_bias is None else BiasedLinear(down, down_bias)
-        else:
-            down = linear(name("ffn_down"))
-        return DenseFFN(linear(*up), down, activation)
-    store = NeuronStore(gguf.tensor(name("ffn_gate")) if activation.is_gated else None, gguf.tensor(name("ffn_up")),
-                        down_rows(gguf, layer), _bias(gguf, name("ffn_up", "bias")), down_bias)
+def build_ffn(gguf: GGUFFile, layer: int, activation: FFNActivation, options: FFNOptions) -> DenseFFN | SparseFFN:
+    """The FFN of block `layer`: over neuron records when some neurons are to be skipped (or the file
+    stores its down projection per neuron), dense otherwise."""
+    tensors = FFNTensors.read(gguf, layer, activation)
+    predicted = options.sparsity == "auto" and has_predictors(gguf)
+    if options.float32 or not (predicted or options.sparsity == "oracle" or tensors.transposed):
+        return tensors.dense(options.float32)
+    store = tensors.neuron_store()
     if options.sparsity == "oracle":
-        ffn = SparseFFN(store, activation, "oracle", threshold=_oracle_threshold(gguf, layer, activation, options))
-    elif options.sparsity == "auto" and has_predictors(gguf):
-        ffn = SparseFFN(store, activation, "auto", predictor=_predictor(gguf, layer))
-    else:
-        ffn = SparseFFN(store, activation, "off")
-    return options.hybrid.wrap(ffn, layer) if hybrid else ffn
+        threshold = _oracle_threshold(gguf, layer, activation, options)
+        return SparseFFN(store, activation, "oracle", threshold=threshold, tensors=tensors)
+    if predicted:
+        return SparseFFN(store, activation, "auto", predictor=load_predictor(gguf, layer), tensors=tensors)
+    return SparseFFN(store, activation, "off", tensors=tensors)

@@ -37,8 +37,21 @@ class RMSNorm:
 
     def __init__(self, weight: torch.Tensor, eps: float):
         dim = weight.shape[0]
-        self.scaled_weight = weight.float() * dim**0.5
+        self.weight, self.eps = weight.float(), eps
+        self.scaled_weight = self.weight * dim**0.5
         self.eps_term = torch.tensor(dim * eps, dtype=torch.float32, device=weight.device).sqrt()
+
+    @classmethod
+    def load(cls, gguf: GGUFFile, name: str, eps: float) -> RMSNorm:
+        """The norm whose weight is `name`.weight in the file."""
+        return cls(float_vector(gguf.tensor(f"{name}.weight")), eps)
+
+    def to(self, device: torch.device) -> RMSNorm:
+        return RMSNorm(self.weight.to(device), self.eps)
+
+    @property
+    def nbytes(self) -> int:
+        return self.scaled_weight.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         norm = torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), self.eps_term)
@@ -52,28 +65,33 @@ class LayerNorm:
         self.weight, self.bias, self.eps = weight.float(), bias.float(), eps
 
     @classmethod
-    def load(cls, gguf: GGUFFile, name: str, eps: float, device: torch.device = CPU) -> "LayerNorm":
-        """`name`.weight and `name`.bias of the file, on `device`."""
-        return cls(float_vector(gguf.tensor(f"{name}.weight")).to(device),
-                   float_vector(gguf.tensor(f"{name}.bias")).to(device), eps)
+    def load(cls, gguf: GGUFFile, name: str, eps: float) -> LayerNorm:
+        """`name`.weight and `name`.bias of the file."""
+        return cls(float_vector(gguf.tensor(f"{name}.weight")), float_vector(gguf.tensor(f"{name}.bias")), eps)
+
+    def to(self, device: torch.device) -> LayerNorm:
+        return LayerNorm(self.weight.to(device), self.bias.to(device), self.eps)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.bias.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
-def projection_builder(gguf: GGUFFile, float32: bool, device: torch.device | None = None) -> Callable[..., Linear]:
-    """`linear(*weight_names)`: one linear layer from weight tensors that share their input, on
-    `device` as `build_linear` places it, plus their biases (`<name>.bias`) when the file has them
-    (a part without one gets zeros)."""
+def projection_builder(gguf: GGUFFile, float32: bool) -> Callable[..., Linear]:
+    """`linear(*weight_names)`: one linear layer from weight tensors that share their input, plus
+    their biases (`<name>.bias`) when the file has them (a part without one gets zeros)."""
 
     def linear(*names: str) -> Linear:
         tensors = [gguf.tensor(n) for n in names]
-        layer = build_linear(tensors, float32, device)
+        layer = build_linear(tensors, float32)
         biases = [gguf.tensors.get(n.removesuffix(".weight") + ".bias") for n in names]
         if all(b is None for b in biases):
             return layer
         return BiasedLinear(layer, torch.cat([torch.zeros(t.shape[0]) if b is None else float_vector(b)
-                                              for t, b in zip(tensors, biases)]).to(device))
+                                              for t, b in zip(tensors, biases)]))
 
     return linear
 
@@ -135,6 +153,14 @@ class Attention:
         self.n_head, self.n_head_kv, self.head_dim = n_head, n_head_kv, head_dim
         self.qk_dim = (n_head + n_head_kv) * head_dim
 
+    def to(self, device: torch.device) -> Attention:
+        return Attention(self.layer, self.qkv.to(device), self.output.to(device), self.n_head, self.n_head_kv,
+                         self.head_dim, None if self.rope is None else self.rope.to(device))
+
+    @property
+    def nbytes(self) -> int:
+        return self.qkv.nbytes + self.output.nbytes
+
     def __call__(self, h: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> torch.Tensor:
         n = h.shape[0]
         qkv = self.qkv(h).float()
@@ -179,18 +205,41 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, **kwar
         return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True, **kwargs)
 
 
-class Block:
-    """A pre-norm decoder block: x + attention(attn_norm(x)), then + ffn(ffn_norm(x)) (llama, OPT).
+class DecoderBlock:
+    """What every architecture's block has: dense parts (the attributes named in `DENSE_PARTS`:
+    norms, attention) on `device`, where x is moved on entry and stays; an FFN that takes its input
+    on that device (a hybrid FFN returns its result there too); and an observer hook.
 
-    Its norms, attention and KV cache live on `device`, where x is moved on entry and stays; the
-    FFN takes input on that device (a hybrid FFN returns its result there too).
+    Blocks are built on the CPU; placement moves them with `to` and may replace `ffn`.
     """
 
-    def __init__(self, attn_norm, attention: Attention, ffn_norm, ffn, device: torch.device = CPU):
-        self.attn_norm, self.attention, self.ffn_norm, self.ffn = attn_norm, attention, ffn_norm, ffn
-        self.device = device
+    DENSE_PARTS: tuple[str, ...] = ()
+
+    def __init__(self, ffn):
+        self.ffn = ffn
+        self.device = CPU
+        self.offloaded = False  # moved by placement (to an accelerator, or to the CPU standing in for one)
         # Called as observer(layer, residual, activations) when set (profiling, predictor training).
         self.observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+
+    def to(self, device: torch.device) -> DecoderBlock:
+        """Move the dense parts (not the FFN) to `device`, in place, as torch modules do."""
+        for name in self.DENSE_PARTS:
+            part = getattr(self, name)
+            if part is not None:
+                setattr(self, name, part.to(device))
+        self.device, self.offloaded = device, True
+        return self
+
+
+class Block(DecoderBlock):
+    """A pre-norm decoder block: x + attention(attn_norm(x)), then + ffn(ffn_norm(x)) (llama, OPT)."""
+
+    DENSE_PARTS = ("attn_norm", "attention", "ffn_norm")
+
+    def __init__(self, attn_norm, attention: Attention, ffn_norm, ffn):
+        super().__init__(ffn)
+        self.attn_norm, self.attention, self.ffn_norm = attn_norm, attention, ffn_norm
 
     def __call__(self, x: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> torch.Tensor:
         x = x.to(self.device)

@@ -7,28 +7,53 @@ from typing import Literal
 
 import torch
 
-from powerinfer.config import ModelConfig
+from powerinfer.config import RMS_NORM_EPS_KEY, ArchitectureDefaults, FFNActivation, ModelConfig
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
-from powerinfer.models.base import DecoderLM, layer_progress
-from powerinfer.models.ffn import DenseFFN, FFNOptions, build_ffn, dense_device, offload_device
-from powerinfer.models.layers import Attention, Block, Embedding, RMSNorm, RotaryEmbedding, projection_builder
+from powerinfer.models.architecture import Architecture
+from powerinfer.models.base import DecoderLM
+from powerinfer.models.ffn import DenseFFN, FFNOptions, build_ffn
+from powerinfer.models.layers import Attention, Block, RMSNorm, RotaryEmbedding, projection_builder
+from powerinfer.models.tensors import TensorTable, add_attention, add_embedding_and_head, add_ffn, add_norm
 from powerinfer.ops import native
-from powerinfer.ops.linear import CPU, Int4Linear, Linear, QuantLinear, mapped_tensor
+from powerinfer.ops.linear import Int4Linear, Linear, QuantLinear, float_vector
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
-
-def _norm(gguf: GGUFFile, name: str, eps: float, device: torch.device = CPU) -> RMSNorm:
-    return RMSNorm(mapped_tensor(gguf.tensor(name).data).to(device), eps)
 
 
 class LlamaBlock(Block):
     """A pre-norm block with RMSNorms and RoPE, and the native single-token step where it applies
-    (not in offloaded blocks, which run the same torch code on whatever device holds them)."""
+    (kept on the CPU, with quantized projections; an offloaded block runs the same torch code as
+    prefill, on whatever device holds it)."""
 
-    def __init__(self, attn_norm: RMSNorm, attention: Attention, ffn_norm: RMSNorm, ffn,
-                 offload: torch.device | None = None):
-        super().__init__(attn_norm, attention, ffn_norm, ffn, CPU if offload is None else offload)
-        self.step = self._native_step() if offload is None else None
+    def __init__(self, attn_norm: RMSNorm, attention: Attention, ffn_norm: RMSNorm, ffn):
+        self._step_stale = True
+        super().__init__(attn_norm, attention, ffn_norm, ffn)
+
+    # The native step holds the block's weights: it is rebuilt when placement moves the block or
+    # replaces its FFN.
+    @property
+    def ffn(self):
+        return self._ffn
+
+    @ffn.setter
+    def ffn(self, ffn) -> None:
+        self._ffn, self._step_stale = ffn, True
+
+    def to(self, device: torch.device) -> LlamaBlock:
+        super().to(device)
+        self._step_stale = True
+        return self
+
+    @property
+    def step(self):
+        """The native step (None: the torch path), built on first use after a change."""
+        if self._step_stale:
+            self._step, self._step_stale = None if self.offloaded else self._native_step(), False
+        return self._step
+
+    @step.setter
+    def step(self, step) -> None:  # None forces the torch path (tests compare the two)
+        self._step, self._step_stale = step, False
 
     def decode(self, x: torch.Tensor, span: SeqSpan, cache: KVCache) -> torch.Tensor:
         """One token of one sequence: the block's output for x [1, d] (on the native step, x itself,
@@ -85,35 +110,27 @@ def _native_projection(ops, linear: Linear):
 
 
 class LlamaModel(DecoderLM):
+    norm = RMSNorm
+
     def __init__(self, gguf: GGUFFile, config: ModelConfig, n_ctx: int, options: FFNOptions = FFNOptions()):
-        self.config = config
         if config.rope_dim != config.head_dim:
             raise UnsupportedModelError(f"{gguf.path}: partial rotary embedding is not supported for llama")
         freq_factors = gguf.tensors.get("rope_freqs.weight")
-        rope = RotaryEmbedding(
+        self.rope = RotaryEmbedding(
             config.head_dim, n_ctx, config.rope_freq_base, config.rope_scale,
-            freq_factors=mapped_tensor(freq_factors.data).float() if freq_factors is not None else None,
+            freq_factors=float_vector(freq_factors) if freq_factors is not None else None,
         )
-        self.rope = rope
-        self.embedding = Embedding(gguf.tensor("token_embd.weight"))
-        self.blocks = [self._block(gguf, config, i, rope, options) for i in layer_progress(config.n_layers)]
-        self.output_device = dense_device(options, None)
-        self.output_norm = _norm(gguf, "output_norm.weight", config.norm_eps, self.output_device)
-        self.output = projection_builder(gguf, options.float32, offload_device(options, None))(
-            "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight")
+        super().__init__(gguf, config, options)
 
-    @staticmethod
-    def _block(gguf: GGUFFile, config: ModelConfig, i: int, rope: RotaryEmbedding, options: FFNOptions) -> LlamaBlock:
-        offload, device = offload_device(options, i), dense_device(options, i)
-        linear = projection_builder(gguf, options.float32, offload)
+    def build_block(self, gguf: GGUFFile, i: int, options: FFNOptions) -> LlamaBlock:
+        config = self.config
+        linear = projection_builder(gguf, options.float32)
         t = lambda name: f"blk.{i}.{name}.weight"  # noqa: E731
-        attention = Attention(
-            i, linear(t("attn_q"), t("attn_k"), t("attn_v")), linear(t("attn_output")),
-            config.n_head, config.n_head_kv, config.head_dim, rope.to(device),
-        )
-        ffn = build_ffn(gguf, i, config.activation, projection_builder(gguf, options.float32), options)
-        return LlamaBlock(_norm(gguf, f"blk.{i}.attn_norm.weight", config.norm_eps, device), attention,
-                          _norm(gguf, f"blk.{i}.ffn_norm.weight", config.norm_eps, device), ffn, offload)
+        attention = Attention(i, linear(t("attn_q"), t("attn_k"), t("attn_v")), linear(t("attn_output")),
+                              config.n_head, config.n_head_kv, config.head_dim, self.rope)
+        return LlamaBlock(RMSNorm.load(gguf, f"blk.{i}.attn_norm", config.norm_eps), attention,
+                          RMSNorm.load(gguf, f"blk.{i}.ffn_norm", config.norm_eps),
+                          build_ffn(gguf, i, config.activation, options))
 
     def forward(self, tokens: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache,
                 which: Literal["all", "last"] = "last") -> torch.Tensor:
@@ -128,3 +145,25 @@ class LlamaModel(DecoderLM):
             for block in self.blocks:
                 x = block.decode_rows(x, spans, cache, rotations)
         return self.logits(x, spans, which)
+
+
+def llama_tensors(config: ModelConfig) -> TensorTable:
+    table = TensorTable()
+    add_embedding_and_head(table, config)
+    table.add("rope_freqs.weight", (config.head_dim // 2,), required=False)
+    for i in range(config.n_layers):
+        prefix = f"blk.{i}."
+        add_norm(table, f"{prefix}attn_norm", config)
+        add_attention(table, prefix, config)
+        add_norm(table, f"{prefix}ffn_norm", config)
+        add_ffn(table, prefix, config)
+    return table
+
+
+ARCHITECTURES = (
+    # llama.cpp's `llama` is SiLU-gated; PowerInfer's sparse llamas are ReLU-Llama (ReGLU)
+    Architecture(("llama",), LlamaModel, ArchitectureDefaults(RMS_NORM_EPS_KEY, FFNActivation.SILU_GATED,
+                                                              FFNActivation.RELU_GATED), llama_tensors),
+    Architecture(("bamboo",), LlamaModel, ArchitectureDefaults(RMS_NORM_EPS_KEY, FFNActivation.DRELU,
+                                                               FFNActivation.DRELU), llama_tensors),
+)

@@ -52,6 +52,11 @@ def mapped_tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
 
 
+def dequantized(tensor: GGUFTensor) -> torch.Tensor:
+    """A 2-D tensor of any type as float32 [rows, cols] (exact: the file's values)."""
+    return dequantize_rows(mapped_tensor(tensor.rows_as_bytes()), tensor.ggml_type, tensor.shape[1])
+
+
 def float_vector(tensor: GGUFTensor) -> torch.Tensor:
     """A 1-D tensor of a float type (norm weights, biases) as float32."""
     return mapped_tensor(tensor.data).float()
@@ -62,6 +67,13 @@ class Linear(ABC):
 
     in_features: int
     out_features: int
+    # The file tensors a layer was built from (`build_linear`): moving it to another device rebuilds
+    # it there in that device's layout, from the file rather than from this layout.
+    sources: tuple[GGUFTensor, ...] = ()
+
+    def to(self, device: torch.device) -> Linear:
+        """The same layer on `device`, as `build_linear` lays it out for a device given."""
+        return build_linear(self.sources, device=device)
 
     @abstractmethod
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
@@ -78,6 +90,9 @@ class DenseLinear(Linear):
     def __init__(self, weight: torch.Tensor):
         self.weight = weight.contiguous()
         self.out_features, self.in_features = weight.shape
+
+    def to(self, device: torch.device) -> DenseLinear:
+        return DenseLinear(self.weight.to(device))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -235,6 +250,9 @@ class ConcatLinear(Linear):
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
 
+    def to(self, device: torch.device) -> ConcatLinear:
+        return ConcatLinear([part.to(device) for part in self.parts])
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         outputs = [part(x) for part in self.parts]
         dtype = torch.promote_types(*(o.dtype for o in outputs)) if len({o.dtype for o in outputs}) > 1 else outputs[0].dtype
@@ -251,6 +269,9 @@ class BiasedLinear(Linear):
     def __init__(self, linear: Linear, bias: torch.Tensor):
         self.linear, self.bias = linear, bias.float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def to(self, device: torch.device) -> BiasedLinear:
+        return BiasedLinear(self.linear.to(device), self.bias.to(device))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x).float().add_(self.bias)
@@ -282,7 +303,7 @@ def _q8_rows(tensor: GGUFTensor, start: int, end: int) -> tuple[torch.Tensor, to
 def _dense_weight(tensor: GGUFTensor) -> torch.Tensor:
     if tensor.ggml_type in FLOAT_TYPES:
         return mapped_tensor(tensor.data).reshape(tensor.shape).clone()
-    return dequantize_rows(mapped_tensor(tensor.rows_as_bytes()), tensor.ggml_type, tensor.shape[1]).to(torch.bfloat16)
+    return dequantized(tensor).to(torch.bfloat16)
 
 
 def build_linear(tensors: Sequence[GGUFTensor], float32: bool = False, device: torch.device | None = None) -> Linear:
@@ -294,10 +315,14 @@ def build_linear(tensors: Sequence[GGUFTensor], float32: bool = False, device: t
 
     `float32` dequantizes everything to float32: the exact reference mode (several times the memory).
     """
+    layer = _build_linear(tensors, float32, device)
+    layer.sources = tuple(tensors)
+    return layer
+
+
+def _build_linear(tensors: Sequence[GGUFTensor], float32: bool, device: torch.device | None) -> Linear:
     if float32:
-        return DenseLinear(torch.cat([
-            dequantize_rows(mapped_tensor(t.rows_as_bytes()), t.ggml_type, t.shape[1]) for t in tensors
-        ]).to(device))
+        return DenseLinear(torch.cat([dequantized(t) for t in tensors]).to(device))
     types = {t.ggml_type for t in tensors}
     if device is None and types <= BLOCK_TYPES and quant_kernel() is not None:
         return pack_quant(tensors)

@@ -256,10 +256,11 @@ def activate_reference(activation: FFNActivation, gate: torch.Tensor | None, up:
 
 
 def _sparse_ffn_steps(store: NeuronStore, activation: FFNActivation, x: torch.Tensor, idx: torch.Tensor,
-                      matvec, accumulate) -> torch.Tensor:
+                      matvec, accumulate, keep: torch.Tensor | None = None) -> torch.Tensor:
     gate = None if store.gate is None else matvec(store, store.gate, x, idx)
     up = store.add_up_bias(matvec(store, store.up, x, idx), idx)
-    return accumulate(store, store.down, activate_reference(activation, gate, up), idx)
+    a = activate_reference(activation, gate, up)
+    return accumulate(store, store.down, a if keep is None else a * keep, idx)
 
 
 def sparse_ffn_reference(store: NeuronStore, activation: FFNActivation, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -282,10 +283,14 @@ def accumulate_rows(store: NeuronStore, section: Section, a: torch.Tensor, idx: 
     return ops.accumulate_rows(store.records, section.as_list(), a.float().contiguous(), idx.contiguous())
 
 
-def sparse_ffn(store: NeuronStore, activation: FFNActivation, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """The FFN output computed from the neurons `idx` only (sorted int64), fused per neuron. The down
-    bias is left to the caller: a hybrid FFN adds up several such parts."""
+def sparse_ffn(store: NeuronStore, activation: FFNActivation, x: torch.Tensor, idx: torch.Tensor,
+               keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The FFN output computed from the neurons `idx` only (sorted int64), fused per neuron; with
+    `keep` [rows, len(idx)] bool, each row of x uses only its own neurons among them. The down bias
+    is left to the caller: a hybrid FFN adds up several such parts."""
     ops = native.load()
+    if keep is not None and x.shape[0] > 1:  # rows choose differently: activations masked between the steps
+        return _sparse_ffn_steps(store, activation, x, idx, gather_matvec, accumulate_rows, keep)
     if ops is None:
         return sparse_ffn_reference(store, activation, x, idx)
     if store.up_bias is not None:  # the fused kernel knows no bias: its steps, the bias added between
@@ -293,6 +298,3 @@ def sparse_ffn(store: NeuronStore, activation: FFNActivation, x: torch.Tensor, i
     gate = [] if store.gate is None else store.gate.as_list()
     return ops.sparse_ffn(store.records, gate, store.up.as_list(), store.down.as_list(),
                           native.activation(activation), x.float().contiguous(), idx.contiguous())
-
-
-

@@ -102,6 +102,16 @@ def neuron_kernel_bytes(gguf: GGUFFile, layer: int, gated: bool) -> int:
     return sum(_projection_row_bytes(as_held(t), t.shape[1]) for t in rows) + n_embd * (4 if float_down else 2)
 
 
+def dense_ffn_bytes(gguf: GGUFFile, layer: int, gated: bool) -> int:
+    """Bytes of a layer's FFN as dense projections on an accelerator (`FFNTensors.dense`, moved whole
+    by layer offload): gate and up stacked, and the down projection (from PowerInfer's transposed
+    ffn_down_t: float32)."""
+    tensor = lambda part: gguf.tensors.get(f"blk.{layer}.{part}.weight")  # noqa: E731
+    up = linear_bytes([tensor("ffn_gate"), tensor("ffn_up")] if gated else [tensor("ffn_up")])
+    down_t = tensor("ffn_down_t")
+    return up + (down_t.n_elements * 4 if down_t is not None else linear_bytes([tensor("ffn_down")]))
+
+
 def model_shape(gguf: GGUFFile, config: ModelConfig, accelerator: str = "cpu") -> ModelShape:
     """Neurons and bytes per neuron as an accelerator of type `accelerator` holds them: CUDA in
     kernel layout, any other (the CPU standing in for one) as neuron-store records."""
@@ -130,8 +140,9 @@ def _vector_bytes(t: GGUFTensor) -> int:
     return t.n_elements * (2 if t.name.split(".")[-2] in PREDICTOR_PARTS else 4)
 
 
-def dense_parts(gguf: GGUFFile, config: ModelConfig, n_ctx: int) -> DenseParts:
-    kv = 2 * n_ctx * config.kv_dim * KV_BYTES_PER_VALUE
+def dense_parts(gguf: GGUFFile, config: ModelConfig, n_ctx: int, n_slots: int = 1) -> DenseParts:
+    """What the accelerator holds per block before any neuron, with KV caches for `n_slots` sequences."""
+    kv = 2 * n_slots * n_ctx * config.kv_dim * KV_BYTES_PER_VALUE
     layers = []
     for i in range(config.n_layers):
         prefix = f"blk.{i}."

@@ -21,11 +21,13 @@ import torch
 from powerinfer.config import ModelConfig
 from powerinfer.errors import PowerInferError
 from powerinfer.gguf.reader import GGUFFile
-from powerinfer.placement.costs import DenseParts, ModelShape, Speeds, dense_parts, model_shape
+from powerinfer.placement.costs import GiB, DenseParts, ModelShape, Speeds, dense_ffn_bytes, dense_parts, model_shape
 from powerinfer.placement.gpu_index import index_path, load_gpu_index, write_gpu_index
 from powerinfer.placement.solver import DEFAULT_GROUP_SIZE, Plan, plan_from_counts
+from powerinfer.placement.spec import DensePlacement, Placement, no_hot_neurons
 
 IndexMode = Literal["reuse", "reset", "memory"]  # memory: neither read nor write the index file
+GPUIndexMode = Literal["reuse", "reset", "disable"]  # what users ask for (disable: no neuron split)
 Warn = Callable[[str], None]
 
 
@@ -55,20 +57,6 @@ def load_statistics(model_path: Path, shape: ModelShape, activations: str | os.P
     return Statistics([torch.ones(n) for n in shape.n_ff], 1, "uniform")
 
 
-@dataclass(frozen=True)
-class DensePlacement:
-    """Which dense parts live on the accelerator: blocks (attention, norms, predictor, KV cache) and
-    the output head."""
-
-    layers: frozenset[int]
-    output: bool
-    bytes_used: int
-
-    def summary(self, n_layers: int) -> str:
-        return (f"dense parts of {len(self.layers)}/{n_layers} blocks{' and the output head' if self.output else ''} "
-                f"there ({self.bytes_used / (1 << 20):.1f} MiB)")
-
-
 def place_dense(parts: DenseParts, vram_budget: int) -> DensePlacement:
     """Dense parts first, as PowerInfer does: they are read for every token, so each byte of them on
     the accelerator saves at least as much CPU time as a byte of the hottest neuron. The output head,
@@ -85,9 +73,9 @@ def place_dense(parts: DenseParts, vram_budget: int) -> DensePlacement:
     return DensePlacement(frozenset(layers), output, used)
 
 
-def neuron_budget(gguf: GGUFFile, config: ModelConfig, n_ctx: int, vram_budget: int) -> int:
+def neuron_budget(gguf: GGUFFile, config: ModelConfig, n_ctx: int, n_slots: int, vram_budget: int) -> int:
     """Bytes left for FFN neurons once the dense parts that fit are placed."""
-    return max(0, vram_budget - place_dense(dense_parts(gguf, config, n_ctx), vram_budget).bytes_used)
+    return max(0, vram_budget - place_dense(dense_parts(gguf, config, n_ctx, n_slots), vram_budget).bytes_used)
 
 
 def plan_from_index(hot: tuple[np.ndarray, ...], capacity: int, shape: ModelShape,
@@ -103,7 +91,7 @@ def plan_from_index(hot: tuple[np.ndarray, ...], capacity: int, shape: ModelShap
 
 
 def plan_for_model(gguf: GGUFFile, config: ModelConfig, model_path: str | os.PathLike[str], n_ctx: int,
-                   vram_budget: int, *, index: IndexMode = "reuse", activations: str | os.PathLike[str] | None = None,
+                   vram_budget: int, *, n_slots: int = 1, index: IndexMode = "reuse", activations: str | os.PathLike[str] | None = None,
                    speeds: Speeds = Speeds(), group_size: int = DEFAULT_GROUP_SIZE, note: Warn = stderr_note,
                    accelerator: str = "cpu") -> Plan:
     """The neuron placement to run with on an accelerator of type `accelerator`: the stored index
@@ -111,7 +99,7 @@ def plan_for_model(gguf: GGUFFile, config: ModelConfig, model_path: str | os.Pat
     model unless mode is "memory"."""
     model_path = Path(model_path)
     shape = model_shape(gguf, config, accelerator)
-    capacity = neuron_budget(gguf, config, n_ctx, vram_budget)
+    capacity = neuron_budget(gguf, config, n_ctx, n_slots, vram_budget)
     path = index_path(model_path)
     if index == "reuse":
         stored = load_gpu_index(path, shape.n_ff, lambda m: note(f"warning: {m}"))
@@ -143,3 +131,74 @@ def plan_table(plan: Plan, statistics: Statistics, shape: ModelShape) -> str:
         lines.append(f"{i:5d}  {len(hot):8d}  {100 * len(hot) / n_ff:5.1f}%  {len(hot) * b / (1 << 20):7.1f}  {served}")
     return "\n".join(lines)
 
+
+
+def accelerator_device(accelerator: str | torch.device | None) -> torch.device | None:
+    """The device hot neurons go to: as asked, else CUDA when present, else None (all on the CPU)."""
+    if accelerator is None:
+        return torch.device("cuda") if torch.cuda.is_available() else None
+    try:
+        device = torch.device(accelerator)
+    except RuntimeError:
+        raise PowerInferError(f"unknown accelerator device {accelerator!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PowerInferError(f"accelerator {accelerator!r} asked for, but torch sees no CUDA device")
+    return device
+
+
+def neuron_placement(gguf: GGUFFile, config: ModelConfig, model_path: str | os.PathLike[str], n_ctx: int,
+                     n_slots: int, vram_budget: float, device: torch.device, *, gpu_index: GPUIndexMode = "reuse",
+                     activations: str | os.PathLike[str] | None = None, note: Warn = stderr_note) -> Placement:
+    """PowerInfer's placement for a VRAM budget in GiB: dense parts first, then the hottest neurons
+    (with the GPU index disabled: dense parts only, as in PowerInfer). `n_slots` KV-cache slots
+    are budgeted for."""
+    if vram_budget < 0:
+        raise PowerInferError(f"VRAM budget must be >= 0 GiB, got {vram_budget}")
+    if gpu_index not in ("reuse", "reset", "disable"):
+        raise PowerInferError(f"unknown GPU index mode {gpu_index!r} (expected 'reuse', 'reset' or 'disable')")
+    budget = int(vram_budget * GiB)
+    dense = place_dense(dense_parts(gguf, config, n_ctx, n_slots), budget)
+    if gpu_index == "disable":
+        note("GPU index disabled: FFN neurons run on the CPU")
+        plan = no_hot_neurons(model_shape(gguf, config).n_ff)
+    else:
+        plan = plan_for_model(gguf, config, model_path, n_ctx, budget, n_slots=n_slots, index=gpu_index,
+                              activations=activations, note=note, accelerator=device.type)
+    return Placement(device, plan, dense)
+
+
+def layer_offload(gguf: GGUFFile, config: ModelConfig, n_ctx: int, n_slots: int, n_gpu_layers: int,
+                  device: torch.device) -> Placement:
+    """llama.cpp's `-ngl N`: the last N blocks go to the accelerator whole (FFNs dense), and the output
+    head too when N exceeds the block count."""
+    if n_gpu_layers < 0:
+        raise PowerInferError(f"n_gpu_layers must be >= 0, got {n_gpu_layers}")
+    parts = dense_parts(gguf, config, n_ctx, n_slots)
+    layers = frozenset(range(max(0, config.n_layers - n_gpu_layers), config.n_layers))
+    output = n_gpu_layers > config.n_layers
+    gated = config.activation.is_gated
+    used = sum(parts.layers[i] + dense_ffn_bytes(gguf, i, gated) for i in layers) + (parts.output if output else 0)
+    return Placement(device, no_hot_neurons(model_shape(gguf, config).n_ff), DensePlacement(layers, output, used),
+                     whole=layers)
+
+
+def choose_placement(gguf: GGUFFile, config: ModelConfig, model_path: str | os.PathLike[str], n_ctx: int,
+                     n_slots: int, *, vram_budget: float | None = None, n_gpu_layers: int | None = None,
+                     gpu_index: GPUIndexMode = "reuse", activations: str | os.PathLike[str] | None = None,
+                     accelerator: str | torch.device | None = None, note: Warn = stderr_note) -> Placement | None:
+    """The placement asked for: neurons by VRAM budget (PowerInfer) or whole layers (llama.cpp's
+    -ngl); None, said in one line through `note`, when there is no accelerator."""
+    if vram_budget is not None and n_gpu_layers is not None:
+        raise PowerInferError("give either a VRAM budget or a number of GPU layers, not both")
+    device = accelerator_device(accelerator)
+    if device is None:
+        note(f"no CUDA device: {'the VRAM budget' if vram_budget is not None else 'n_gpu_layers'} is ignored "
+             "and everything runs on the CPU")
+        return None
+    if n_gpu_layers is not None:
+        placement = layer_offload(gguf, config, n_ctx, n_slots, n_gpu_layers, device)
+    else:
+        placement = neuron_placement(gguf, config, model_path, n_ctx, n_slots, vram_budget, device,
+                                     gpu_index=gpu_index, activations=activations, note=note)
+    note(f"placement on {device}: {placement.summary()}")
+    return placement

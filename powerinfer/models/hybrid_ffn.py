@@ -1,12 +1,11 @@
-"""Hybrid execution: dense parts and each FFN's hot neurons on the accelerator, cold neurons on the CPU.
+"""An FFN split between two devices: each FFN's hot neurons on the accelerator, cold ones on the CPU.
 
-The placement (`HybridOptions`) says which blocks keep their dense parts (norms, attention, KV
-cache, predictor) on the accelerator, whether the output head is there, and which neurons of each
-FFN are hot. A block whose dense parts are on the accelerator keeps the residual stream there: its
-hybrid FFN gets its input there, sends only the FFN input and the predictor's choice to the CPU
-(the one synchronisation of the layer), queues the hot neurons' work, computes the cold neurons
-on the CPU meanwhile, and merges the two parts on the accelerator. Per token only activations
-cross the bus, never weights.
+Placement (`powerinfer.placement.apply`) wraps a layer's `SparseFFN` in a `HybridFFN`. When the
+block's dense parts are on the accelerator too, the residual stream stays there: the hybrid FFN gets
+its input there, sends only the FFN input and the predictor's choice to the CPU (the one
+synchronisation of the layer), queues the hot neurons' work, computes the cold neurons on the CPU
+meanwhile, and merges the two parts on the accelerator. Per token only activations cross the bus,
+never weights.
 
 Hot neurons are held in one of two layouts (`placement.costs.model_shape` counts the bytes of
 each): on CUDA as `KernelNeurons` (gate and up rows for torch's int4 kernel, down rows in float16,
@@ -18,26 +17,14 @@ split, the merge and the index handling are tested on machines without a GPU.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Literal
-
-import numpy as np
 import torch
 
-from powerinfer.config import ModelConfig
-from powerinfer.errors import PowerInferError
-from powerinfer.gguf.reader import GGUFFile
-from powerinfer.models.ffn import MAX_SPARSE_ROWS, SparseFFN
+from powerinfer.models.ffn import MAX_SPARSE_ROWS, SparseFFN, union
 from powerinfer.ops.activation import activate
 from powerinfer.ops.linear import CPU, ConcatLinear, DenseLinear, Linear, pack_int4, q8_as_nibbles
 from powerinfer.ops.neuron import (RAW, NeuronStore, Section, accumulate_rows, dequantize_records, gather_matvec,
                                    matvec_records, q4_section, q8_section, sparse_ffn)
-from powerinfer.placement.costs import GiB, dense_parts, model_shape
-from powerinfer.placement.planner import DensePlacement, Warn, place_dense, plan_for_model, stderr_note
-from powerinfer.placement.solver import Plan
 
-GPUIndexMode = Literal["reuse", "reset", "disable"]
 CHUNK_NEURONS = 4096  # records dequantized at a time (bounds temporaries)
 
 
@@ -162,7 +149,7 @@ class HybridFFN(SparseFFN):
     def __init__(self, ffn: SparseFFN, hot: torch.Tensor, device: torch.device, offloaded: bool = False):
         home = device if offloaded else CPU
         predictor = None if ffn.predictor is None else ffn.predictor.to(home)
-        super().__init__(ffn.store, ffn.activation, ffn.mode, predictor, ffn.threshold)
+        super().__init__(ffn.store, ffn.activation, ffn.mode, predictor, ffn.threshold, ffn.tensors)
         is_hot = torch.zeros(ffn.store.n_ff, dtype=torch.bool)
         is_hot[hot] = True
         self.hot, self.cold = hot, torch.nonzero(~is_hot).flatten()
@@ -187,12 +174,13 @@ class HybridFFN(SparseFFN):
             return self._merge(h, self._hot(h), self._cold_sparse(h.cpu(), self.cold))
         if self.mode == "oracle":
             return self._merge(h, self._hot(h, threshold=self.threshold), self._cold_oracle(h.cpu()))
-        fires = self.predictor.scores(residual) >= self.predictor.threshold
-        fires = fires.any(0) if fires.shape[0] > 1 else fires[0]  # rows share one set, as in SparseFFN
+        fires = self.predictor.fires(residual)  # each row computes its own choice, as in SparseFFN
         chosen, h_cpu = fires.cpu(), h.cpu()  # the layer's one synchronisation when the input is on the device
-        self.last_active, self.last_on_accelerator = int(chosen.sum()), int(chosen[self.hot].sum())
-        hot = self._hot(h, fires[self.hot_there][None])  # queued on the device, runs while the CPU works
-        return self._merge(h, hot, self._cold_sparse(h_cpu, self.cold[chosen[self.cold]]))
+        cold = self.cold[union(chosen[:, self.cold])]
+        self.last_active = int(chosen.any(0).sum())
+        self.last_on_accelerator = int(chosen[:, self.hot].any(0).sum())
+        hot = self._hot(h, fires[:, self.hot_there])  # queued on the device, runs while the CPU works
+        return self._merge(h, hot, self._cold_sparse(h_cpu, cold, chosen[:, cold]))
 
     def _hot(self, h: torch.Tensor, mask: torch.Tensor | None = None, threshold: float | None = None,
              many: bool = False) -> torch.Tensor | None:
@@ -230,89 +218,15 @@ class HybridFFN(SparseFFN):
             up = torch.cat([gather_matvec(s, s.gate, h, cold), up], dim=-1)
         a = activate(up, self.activation)
         fired = a.abs() > self.threshold
-        keep = torch.nonzero(fired.any(0) if fired.shape[0] > 1 else fired[0]).flatten()
+        keep = union(fired)
         self.last_active = self.n_hot + len(keep)  # the accelerator computes all its neurons
         if len(keep) == 0:
             return None
         return accumulate_rows(s, s.down, (a * fired)[:, keep], cold[keep])
 
-    def _cold_sparse(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
-        return sparse_ffn(self.store, self.activation, h, ids) if len(ids) else None
+    def _cold_sparse(self, h: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor | None:
+        return sparse_ffn(self.store, self.activation, h, ids, keep) if len(ids) else None
 
     @property
     def device_nbytes(self) -> int:
         return 0 if self.accelerator is None else self.accelerator.nbytes
-
-
-NOTHING_DENSE = DensePlacement(frozenset(), False, 0)
-
-
-@dataclass(frozen=True)
-class HybridOptions:
-    """What goes to the accelerator `device` (`FFNOptions.hybrid`): the blocks' dense parts and the
-    output head in `dense`, each layer's hot neurons in `plan`."""
-
-    device: torch.device
-    plan: Plan
-    dense: DensePlacement = NOTHING_DENSE
-
-    def offloads(self, layer: int | None) -> bool:
-        """Whether block `layer`'s dense parts (None: the output head) live on the accelerator."""
-        return self.dense.output if layer is None else layer in self.dense.layers
-
-    def has_hot(self, layer: int) -> bool:
-        return len(self.plan.hot[layer]) > 0
-
-    def splits(self, layer: int) -> bool:
-        """Whether the layer's FFN runs through the hybrid executor (input on the accelerator, or
-        neurons there)."""
-        return self.has_hot(layer) or self.offloads(layer)
-
-    def wrap(self, ffn: SparseFFN, layer: int) -> SparseFFN:
-        if not self.splits(layer):
-            return ffn
-        return HybridFFN(ffn, torch.from_numpy(self.plan.hot[layer]).long(), self.device, self.offloads(layer))
-
-    def summary(self) -> str:
-        return f"{self.plan.summary()}; {self.dense.summary(len(self.plan.hot))}"
-
-
-def accelerator_device(accelerator: str | torch.device | None) -> torch.device | None:
-    """The device hot neurons go to: as asked, else CUDA when present, else None (all on the CPU)."""
-    if accelerator is None:
-        return torch.device("cuda") if torch.cuda.is_available() else None
-    try:
-        device = torch.device(accelerator)
-    except RuntimeError:
-        raise PowerInferError(f"unknown accelerator device {accelerator!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise PowerInferError(f"accelerator {accelerator!r} asked for, but torch sees no CUDA device")
-    return device
-
-
-def hybrid_options(gguf: GGUFFile, config: ModelConfig, model_path: str | os.PathLike[str], n_ctx: int,
-                   vram_budget: float, *, gpu_index: GPUIndexMode = "reuse",
-                   activations: str | os.PathLike[str] | None = None, accelerator: str | torch.device | None = None,
-                   note: Warn = stderr_note) -> HybridOptions | None:
-    """The placement for a VRAM budget in GiB (with the GPU index disabled: dense parts only, as in
-    PowerInfer), or None when there is no accelerator; said in one line through `note`."""
-    if vram_budget < 0:
-        raise PowerInferError(f"VRAM budget must be >= 0 GiB, got {vram_budget}")
-    if gpu_index not in ("reuse", "reset", "disable"):
-        raise PowerInferError(f"unknown GPU index mode {gpu_index!r} (expected 'reuse', 'reset' or 'disable')")
-    device = accelerator_device(accelerator)
-    if device is None:
-        note("no CUDA device: the VRAM budget is ignored and everything runs on the CPU")
-        return None
-    budget = int(vram_budget * GiB)
-    dense = place_dense(dense_parts(gguf, config, n_ctx), budget)
-    if gpu_index == "disable":
-        note("GPU index disabled: FFN neurons run on the CPU")
-        n_ff = model_shape(gguf, config).n_ff
-        plan = Plan(tuple(np.zeros(0, dtype=np.int32) for _ in n_ff), n_ff, 0, 0, None, None, None, None)
-    else:
-        plan = plan_for_model(gguf, config, model_path, n_ctx, budget, index=gpu_index, activations=activations,
-                              note=note, accelerator=device.type)
-    options = HybridOptions(device, plan, dense)
-    note(f"placement on {device}: {options.summary()}")
-    return options

@@ -1,0 +1,54 @@
+"""PowerInfer's per-layer activation predictor, read from a PowerInfer GGUF (`blk.N.fc1`, `blk.N.fc2`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from powerinfer.gguf.reader import GGUFFile
+from powerinfer.ops.linear import DenseLinear, Linear, build_linear, dequantized
+from powerinfer.ops.quant import FLOAT_TYPES
+
+LAYER_THRESHOLDS_KEY = "powerinfer.layer_sparse_thresholds"  # ours: predictor score thresholds per layer
+SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"  # PowerInfer's: one predictor score threshold
+
+
+class Predictor:
+    """scores = fc2(relu(fc1(x))); a neuron is predicted to fire when its score is >= the threshold."""
+
+    def __init__(self, fc1: Linear, fc2: Linear, threshold: float):
+        self.fc1, self.fc2, self.threshold = fc1, fc2, threshold
+
+    @classmethod
+    def from_weights(cls, fc1: torch.Tensor, fc2: torch.Tensor, threshold: float) -> Predictor:
+        """From float matrices fc1 [R, d] and fc2 [n_ff, R], held in bfloat16: torch's fast CPU matmul
+        for one row (the predictor reads as many bytes per token as a good share of the neurons it saves)."""
+        return cls(DenseLinear(fc1.to(torch.bfloat16)), DenseLinear(fc2.to(torch.bfloat16)), threshold)
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.fc1(x.float())).float()).float()
+
+    def fires(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, n_ff] bool: which neurons each row of x is predicted to fire."""
+        return self.scores(x) >= self.threshold
+
+    def to(self, device: torch.device) -> Predictor:
+        return Predictor(self.fc1.to(device), self.fc2.to(device), self.threshold)
+
+    @property
+    def nbytes(self) -> int:
+        return self.fc1.nbytes + self.fc2.nbytes
+
+
+def has_predictors(gguf: GGUFFile) -> bool:
+    return "blk.0.fc1.weight" in gguf.tensors
+
+
+def load_predictor(gguf: GGUFFile, layer: int) -> Predictor:
+    thresholds = gguf.get(LAYER_THRESHOLDS_KEY)
+    threshold = float(thresholds[layer]) if thresholds else float(gguf.get(SPARSE_THRESHOLD_KEY, 0.0))
+    fc1, fc2 = (gguf.tensor(f"blk.{layer}.{name}.weight") for name in ("fc1", "fc2"))
+    if fc1.ggml_type in FLOAT_TYPES and fc2.ggml_type in FLOAT_TYPES:
+        return Predictor.from_weights(dequantized(fc1), dequantized(fc2), threshold)
+    # quantized, as PowerInfer's own quantizer writes them (Q4_0): kept compact, on our kernels
+    return Predictor(build_linear([fc1]), build_linear([fc2]), threshold)

@@ -1,0 +1,39 @@
+"""Applying a placement to a finished model.
+
+Models are built on the CPU knowing nothing of accelerators (as gpt-fast's `replace_linear_int4` or
+mlx-lm's `nn.quantize` transform a finished model, this module transforms ours): blocks whose
+dense parts go to the accelerator are moved there, layers with hot neurons get a `HybridFFN`, and
+layers offloaded whole (llama.cpp's `-ngl`) get their FFN dense on the accelerator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from powerinfer.models.base import DecoderLM
+from powerinfer.models.ffn import DenseFFN, SparseFFN
+from powerinfer.models.hybrid_ffn import HybridFFN
+from powerinfer.placement.spec import Placement
+
+
+def apply_placement(model: DecoderLM, placement: Placement) -> None:
+    """Move what `placement` names to its device, in place."""
+    device = placement.device
+    for i, block in enumerate(model.blocks):
+        if placement.offloads(i):
+            block.to(device)
+        if i in placement.whole:
+            block.ffn = _dense(block.ffn).to(device)
+        elif placement.splits(i):
+            hot = torch.from_numpy(placement.plan.hot[i]).long()
+            block.ffn = HybridFFN(_sparse(block.ffn), hot, device, offloaded=placement.offloads(i))
+    if placement.dense.output:
+        model.output_to(device)
+
+
+def _sparse(ffn: DenseFFN | SparseFFN) -> SparseFFN:
+    return ffn if isinstance(ffn, SparseFFN) else ffn.sparse()
+
+
+def _dense(ffn: DenseFFN | SparseFFN) -> DenseFFN:
+    return ffn if isinstance(ffn, DenseFFN) else ffn.tensors.dense()
