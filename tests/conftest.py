@@ -46,13 +46,14 @@ def smollm2_reference(default_model):
     return tokenizer, model
 
 
-def make_tiny_llama(folder: Path, hidden_act: str, seed: int = 0, tokenizer_from: Path | None = None):
+def make_tiny_llama(folder: Path, hidden_act: str, seed: int = 0, tokenizer_from: Path | None = None,
+                    hidden_size: int = 64, intermediate_size: int = 160):
     """A random llama-shaped checkpoint saved with transformers (and a tokenizer, if given)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=49152, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, hidden_act=hidden_act, max_position_embeddings=512, rope_theta=10000.0,
         rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.15,
     )

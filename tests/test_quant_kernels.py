@@ -86,3 +86,84 @@ def test_kernels_take_the_lower_instruction_sets_only():
     with pytest.raises(ValueError, match="unknown instruction set"):
         ops.set_isa("avx1024")
     assert native.instruction_sets()[0] == ops.detected_isa() and native.instruction_sets()[-1] == "scalar"
+
+
+# ---------------------------------------------------------------- a llama in K-quants, end to end
+
+# Q4_K_M's split (llama.cpp): most projections Q4_K, the value and down projections and the head Q6_K
+Q4_K_M = {"token_embd": T.Q4_K, "attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_output": T.Q4_K, "ffn_gate": T.Q4_K,
+          "ffn_up": T.Q4_K, "attn_v": T.Q6_K, "ffn_down": T.Q6_K, "output": T.Q6_K}
+N_CTX = 128
+
+
+@pytest.fixture(scope="module")
+def k_quant_llama(tmp_path_factory, default_model):
+    """(transformers config, path): a tiny SiLU llama (widths that are multiples of 256, as K-quants
+    need) converted by us to f32, its projections then replaced by random Q4_K / Q6_K blocks (gguf
+    cannot quantize to K-quants) with Q4_K_M's split of types."""
+    from conftest import convert_each, make_tiny_llama
+
+    from powerinfer.convert.model import gguf_source
+    from powerinfer.gguf.writer import TensorData, write_gguf
+    from powerinfer.ops.quant import random_blocks
+
+    folder = tmp_path_factory.mktemp("tiny-k-quant")
+    hf_model = make_tiny_llama(folder, "silu", tokenizer_from=default_model, hidden_size=256, intermediate_size=512)
+    source = gguf_source(convert_each(folder, ("f32",))["f32"])
+    rng = np.random.default_rng(0)
+
+    def tensors():
+        for name, tensor in source.tensors:
+            ggml_type = Q4_K_M.get(name.split(".")[-2])
+            if ggml_type is None:
+                yield TensorData(name, tensor.data, tensor.ggml_type)
+            else:  # scales ~1e-4: weights of about the checkpoint's size
+                yield TensorData(name, random_blocks(ggml_type, *tensor.shape, rng, scale=1e-4), ggml_type)
+
+    path = folder / "q4_k_m.gguf"
+    write_gguf(path, source.architecture, source.metadata, tensors(), typed_metadata=source.typed_metadata)
+    return hf_model.config, path
+
+
+def k_quant_engine(path, float32: bool = False):
+    from powerinfer.gguf import open_gguf
+    from powerinfer.models import load_model
+    from powerinfer.models.ffn import FFNOptions
+    from powerinfer.runtime.engine import Engine
+
+    return Engine(load_model(open_gguf(path), N_CTX, FFNOptions(float32=float32)), N_CTX)
+
+
+@pytest.mark.slow
+def test_k_quant_llama_equals_transformers_reading_the_same_file(k_quant_llama):
+    from transformers import AutoModelForCausalLM
+
+    config, path = k_quant_llama
+    ids = torch.randint(0, 49152, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = reference(torch.tensor([ids])).logits[0].float()
+    scale = expected.abs().max().item()
+    exact = k_quant_engine(path, float32=True).all_logits(ids)
+    assert (exact - expected).abs().max().item() < 1e-4 * scale
+    fast = k_quant_engine(path).all_logits(ids)  # compact K-quants, activations rounded to bfloat16
+    assert (fast - expected).abs().max().item() < 0.05 * scale
+
+
+@pytest.mark.slow
+def test_k_quant_llama_decodes_on_the_native_step(k_quant_llama, isa):
+    """The C++ step takes the K-quant projections (mixed Q4_K / Q6_K in one fused qkv) and computes
+    what the Python blocks do with the same layers, on each instruction set."""
+    _, path = k_quant_llama
+    ids = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    native_engine = k_quant_engine(path)
+    assert all(isinstance(block.attention.qkv, QuantLinear) and block.step is not None for block in native_engine.model.blocks)
+    native_engine.prefill(0, ids[:10])
+    native_rows = torch.stack([native_engine.decode([(0, t)])[0] for t in ids[10:]])
+    python = k_quant_engine(path)
+    for block in python.model.blocks:
+        block.step = None
+    python.prefill(0, ids[:10])
+    python_rows = torch.stack([python.decode([(0, t)])[0] for t in ids[10:]])
+    scale, diff = python_rows.abs().max(), (native_rows - python_rows).abs()
+    assert diff.max() < 2e-3 * scale and diff.mean() < 1e-4 * scale
