@@ -23,9 +23,9 @@ from unittest import mock
 
 import numpy as np
 import torch
+from common import machine_description, memory_bandwidth
 from gguf import GGMLQuantizationType as T
 
-from common import machine_description, memory_bandwidth
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
 from powerinfer.ops.linear import build_linear

@@ -6,17 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import quantized_rows
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import quantized_rows
 from powerinfer.config import FFNActivation
 from powerinfer.gguf.reader import GGUFTensor
-from powerinfer.ops.activation import activate
 from powerinfer.ops import native
 from powerinfer.ops import neuron as N
+from powerinfer.ops.activation import activate
 
 BLOCK_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 TYPES = [*BLOCK_TYPES, T.F32, T.F16]
