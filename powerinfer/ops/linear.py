@@ -5,7 +5,9 @@ Every GGML block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K ... Q6_K) runs on our 
 stay in their blocks, repacked 16 outputs at a time at about the file's size, and the quantized
 integers are exact in bfloat16, so on AVX-512 each instruction does 32 exact products of bfloat16
 activations and weights, summed in float32 and scaled per (sub-)block by the file's own scales. An
-AVX2 path computes the same sums with float32 multiply-adds, a scalar path anywhere else.
+AVX2 path computes the same sums with float32 multiply-adds (measured faster than torch's int4
+kernel restricted to AVX2), a plain C++ path anywhere else (there Q4_0, Q4_1 and Q8_0 go to
+torch's int4 kernel, which is faster than plain C++).
 
 Without the native module, Q4_0 and Q4_1 map exactly onto torch's int4 CPU kernel (`Int4Linear`,
 `_weight_int4pack_mm_for_cpu`: 4-bit values, one bfloat16 scale and offset per 32 inputs, bfloat16
@@ -324,12 +326,14 @@ def _build_linear(tensors: Sequence[GGUFTensor], float32: bool, device: torch.de
     if float32:
         return DenseLinear(torch.cat([dequantized(t) for t in tensors]).to(device))
     types = {t.ggml_type for t in tensors}
-    if device is None and types <= BLOCK_TYPES and quant_kernel() is not None:
+    int4_exact = types <= {T.Q4_0, T.Q4_1} or types == {T.Q8_0}
+    ops = quant_kernel()
+    # On CPUs without AVX2 our kernel is plain C++, slower than torch's int4 kernel where that fits.
+    if device is None and types <= BLOCK_TYPES and ops is not None and not (int4_exact and ops.detected_isa() == "scalar"):
         return pack_quant(tensors)
-    if types <= {T.Q4_0, T.Q4_1}:
-        return pack_int4(tensors, _q4_rows, device=device)
-    if types == {T.Q8_0}:
-        return pack_int4(tensors, _q8_rows, input_repeats=2, device=device)
+    if int4_exact:
+        return pack_int4(tensors, _q8_rows if types == {T.Q8_0} else _q4_rows, input_repeats=2 if types == {T.Q8_0} else 1,
+                         device=device)
     if len(types) == 1 and (types <= FLOAT_TYPES.keys() or types <= BLOCK_TYPES):  # the latter expanded
         return DenseLinear(torch.cat([_dense_weight(t) for t in tensors]).to(device))
     return ConcatLinear([build_linear([t], device=device) for t in tensors])

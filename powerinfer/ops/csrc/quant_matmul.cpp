@@ -86,17 +86,32 @@ namespace scalar {
 
 namespace {
 
-// q of input k of output o in a chunk, unsigned as in DecodedBlock.
-int q_at(const PackedLayout& l, const uint8_t* chunk, int o, int64_t k) {
-  if (l.low_bits == 8) return chunk[l.low + (k / 2) * 2 * COLS + 2 * o + k % 2] ^ 0x80;
-  const int64_t per_byte = 8 / l.low_bits;
-  int q = (chunk[l.low + (k / per_byte) * COLS + o] >> (l.low_bits * (k % per_byte))) & ((1 << l.low_bits) - 1);
-  for (int h = 0; h < l.high_bits; ++h) {
-    const uint8_t* mask = chunk + l.high + ((k / 2) * l.high_bits + h) * 4;
-    const int bit = 2 * o + static_cast<int>(k % 2);
-    q |= ((mask[bit / 8] >> (bit % 8)) & 1) << (l.low_bits + h);
-  }
-  return q;
+// q - offset of every weight of a chunk, per output: w[o][k] (the plane layouts of quant_matmul.h).
+void unpack_chunk(const BlockFormat& f, const PackedLayout& l, const uint8_t* chunk, float (*w)[QK_K]) {
+  const uint8_t* low = chunk + l.low;
+  for (int64_t p = 0; p < f.n / 2; ++p)
+    for (int o = 0; o < COLS; ++o)
+      if (l.low_bits == 8) {
+        w[o][2 * p] = static_cast<int8_t>(low[p * 2 * COLS + 2 * o]);
+        w[o][2 * p + 1] = static_cast<int8_t>(low[p * 2 * COLS + 2 * o + 1]);
+      } else if (l.low_bits == 4) {
+        w[o][2 * p] = low[p * COLS + o] & 0x0F;
+        w[o][2 * p + 1] = low[p * COLS + o] >> 4;
+      } else {
+        const int shift = 4 * static_cast<int>(p % 2);
+        w[o][2 * p] = (low[(p / 2) * COLS + o] >> shift) & 3;
+        w[o][2 * p + 1] = (low[(p / 2) * COLS + o] >> (shift + 2)) & 3;
+      }
+  for (int64_t p = 0; p < f.n / 2 && l.high_bits > 0; ++p)
+    for (int h = 0; h < l.high_bits; ++h) {
+      uint32_t mask;
+      std::memcpy(&mask, chunk + l.high + (p * l.high_bits + h) * 4, 4);
+      for (int bit = 0; bit < 2 * COLS; ++bit)
+        if ((mask >> bit) & 1) w[bit / 2][2 * p + bit % 2] += static_cast<float>(1 << (l.low_bits + h));
+    }
+  const float offset = l.low_bits == 8 ? 0.0f : static_cast<float>(f.offset);
+  for (int o = 0; o < COLS; ++o)
+    for (int64_t k = 0; k < f.n; ++k) w[o][k] -= offset;
 }
 
 }  // namespace
@@ -106,33 +121,33 @@ void quant_output_block(const PackedMatrix& w, int64_t nb, const PreparedInput& 
   const BlockFormat& f = *w.format;
   const PackedLayout& l = w.layout;
   const int64_t n_blocks = x.K / f.n;
-  for (int r = 0; r < rows; ++r) {
-    const float* xr = x.f32.data() + (m0 + r) * x.K;
+  float values[COLS][QK_K];
+  std::vector<float> acc(static_cast<size_t>(rows) * COLS, 0.0f);
+  for (int64_t sb = 0; sb < n_blocks; ++sb) {
+    const uint8_t* chunk = w.chunks + (nb * n_blocks + sb) * l.bytes;
+    unpack_chunk(f, l, chunk, values);
     for (int o = 0; o < cols; ++o) {
-      float acc = 0.0f;
-      for (int64_t sb = 0; sb < n_blocks; ++sb) {
-        const uint8_t* chunk = w.chunks + (nb * n_blocks + sb) * l.bytes;
-        const float d = half_to_float(chunk + l.d + 2 * o);
-        const float dmin = l.dmin >= 0 ? half_to_float(chunk + l.dmin + 2 * o) : 0.0f;
-        for (int64_t j = 0; j < f.n_sub(); ++j) {
-          int sc = 1, mn = 1;
-          if (f.sub_scales) {
-            const uint8_t s = chunk[l.sc + j * COLS + o];
-            sc = l.nibble_scales ? s & 0x0F : static_cast<int8_t>(s);
-            mn = l.nibble_scales ? s >> 4 : l.mn >= 0 ? chunk[l.mn + j * COLS + o] : 1;
-          }
-          float dot = 0.0f, sum = 0.0f;
-          for (int64_t k = j * f.sub; k < (j + 1) * f.sub; ++k) {
-            const float xk = xr[sb * f.n + k];
-            dot += xk * static_cast<float>(q_at(l, chunk, o, k) - f.offset);
-            sum += xk;
-          }
-          acc += d * static_cast<float>(sc) * dot + (f.has_min ? dmin * static_cast<float>(mn) * sum : 0.0f);
+      const float d = half_to_float(chunk + l.d + 2 * o);
+      const float dmin = l.dmin >= 0 ? half_to_float(chunk + l.dmin + 2 * o) : 0.0f;
+      for (int64_t j = 0; j < f.n_sub(); ++j) {
+        int sc = 1, mn = 1;
+        if (f.sub_scales) {
+          const uint8_t s = chunk[l.sc + j * COLS + o];
+          sc = l.nibble_scales ? s & 0x0F : static_cast<int8_t>(s);
+          mn = l.nibble_scales ? s >> 4 : l.mn >= 0 ? chunk[l.mn + j * COLS + o] : 1;
+        }
+        const float* v = values[o] + j * f.sub;
+        for (int r = 0; r < rows; ++r) {
+          const float* xr = x.f32.data() + (m0 + r) * x.K + sb * f.n + j * f.sub;
+          float dot = 0.0f;
+          for (int64_t k = 0; k < f.sub; ++k) dot += xr[k] * v[k];
+          const float sum = (f.sub == QK_SUB ? x.sum16 : x.sum32)[(m0 + r) * (x.K / f.sub) + sb * f.n_sub() + j];
+          acc[r * COLS + o] += d * static_cast<float>(sc) * dot + (f.has_min ? dmin * static_cast<float>(mn) * sum : 0.0f);
         }
       }
-      out[r * ldc + o] = acc;
     }
   }
+  for (int r = 0; r < rows; ++r) std::memcpy(out + r * ldc, acc.data() + r * COLS, cols * sizeof(float));
 }
 
 }  // namespace scalar
