@@ -32,6 +32,7 @@ from powerinfer.ops.linear import build_linear
 from powerinfer.ops.quant import BLOCK_TYPES, random_blocks
 
 OUT_FEATURES, IN_FEATURES, LAYERS = 11008, 4096, 3
+CACHED = (1024, 2048)  # a layer that stays in cache: the kernels' arithmetic speed, not the memory's
 OUT = Path(__file__).parent / "results" / "quant_kernels.md"
 
 
@@ -57,8 +58,9 @@ def main() -> None:
     machine, bandwidth = machine_description(), memory_bandwidth()
     rng = np.random.default_rng(0)
     isas = native.instruction_sets()
-    header = "| type | bytes/weight | " + " | ".join(f"{p}, {m} row{'s' * (m > 1)}" for m in args.rows for p in [*isas, "no native"]) + " |"
-    lines = [header, "|" + " --- |" * (2 + len(args.rows) * (len(isas) + 1))]
+    header = "| type | bytes/weight | " + " | ".join(f"{p}, {m} row{'s' * (m > 1)}" for m in args.rows for p in [*isas, "no native"])
+    header += " | " + " | ".join(f"{p}, in cache" for p in isas) + " |"
+    lines = [header, "|" + " --- |" * (2 + len(args.rows) * (len(isas) + 1) + len(isas))]
     for ggml_type in sorted(BLOCK_TYPES):
         tensors = [GGUFTensor("w", ggml_type, (OUT_FEATURES, IN_FEATURES), random_blocks(ggml_type, OUT_FEATURES, IN_FEATURES, rng))
                    for _ in range(LAYERS)]
@@ -74,6 +76,10 @@ def main() -> None:
                     seconds = median_seconds(ours, x)
                 cells.append(f"{file_bytes / seconds / 1e9:.1f}")
             cells.append(f"{file_bytes / median_seconds(fallback, x) / 1e9:.1f}")
+        cached = build_linear([GGUFTensor("w", ggml_type, CACHED, random_blocks(ggml_type, *CACHED, rng))])
+        for isa in isas:
+            with native.instruction_set(isa):
+                cells.append(f"{cached.nbytes / median_seconds([cached], torch.randn(1, CACHED[1])) / 1e9:.1f}")
         row = f"| {T(ggml_type).name} | {file_bytes / (OUT_FEATURES * IN_FEATURES):.4f} | " + " | ".join(cells) + " |"
         print(row, flush=True)
         lines.append(row)
@@ -81,8 +87,10 @@ def main() -> None:
             f"Measured {datetime.date.today()} on {machine}; {args.threads} threads; memory read bandwidth "
             f"measured in the same run: {bandwidth:.1f} GB/s. Columns: our kernel on each instruction set, and "
             "\"no native\" (torch's int4 kernel for Q4_0/Q4_1/Q8_0, bfloat16-expanded weights for the rest); "
-            "per number of rows of x sharing a call. Higher is faster; at 1 row a kernel at the memory "
-            "roofline reaches the measured bandwidth.\n\n" + "\n".join(lines) +
+            "per number of rows of x sharing a call (GB/s of the layer's bytes per call, so with 8 rows 8 "
+            f"tokens' worth of work); and, at 1 row, each instruction set on a {CACHED[0]} x {CACHED[1]} layer that "
+            "stays in cache (the arithmetic's speed, not the memory's: least disturbed by other processes). "
+            "Higher is faster; at 1 row a kernel at the memory roofline reaches the measured bandwidth.\n\n" + "\n".join(lines) +
             f"\n\nCommand: `.venv/bin/python benchmarks/quant_kernels.py --threads {args.threads} --rows {' '.join(map(str, args.rows))}`\n")
     args.out.write_text(note)
     print(f"memory read bandwidth: {bandwidth:.1f} GB/s; wrote {args.out}")

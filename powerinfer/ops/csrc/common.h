@@ -57,6 +57,11 @@ inline float bf16_value(uint16_t bits) {
   return v;
 }
 
+// Reads `bytes` from p into the cache ahead of use (for access the hardware prefetchers miss).
+inline void prefetch(const uint8_t* p, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 3);
+}
+
 }  // namespace powerinfer
 
 #if defined(__x86_64__) || defined(_M_X64)

@@ -173,12 +173,9 @@ Records check_records(const torch::Tensor& rec, const torch::Tensor& idx) {
   return Records{rec.data_ptr<uint8_t>(), rec.size(0), rec.size(1)};
 }
 
-constexpr int64_t PREFETCH_AHEAD = 2;  // neurons fetched ahead of use (measured: 1..6 perform alike)
-
-// Rows are visited in data-dependent order, which hardware prefetchers cannot follow.
-inline void prefetch(const uint8_t* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
-}
+// Rows are visited in data-dependent order, which hardware prefetchers cannot follow: they are
+// fetched this many neurons ahead of use (measured: 1..6 perform alike).
+constexpr int64_t PREFETCH_AHEAD = 2;
 
 QuantizedX quantize_x(const float* x, int64_t n_values) {
   const int64_t n_blocks = n_values / QK, groups = (n_blocks + 3) / 4;

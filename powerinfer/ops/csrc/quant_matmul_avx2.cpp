@@ -9,6 +9,10 @@ POWERINFER_TARGET_AVX2
 namespace powerinfer::avx2 {
 namespace {
 
+// Chunks are read front to back, but the hardware prefetchers fall behind on the larger ones
+// (measured from memory, one thread: Q5_K 6.5 -> 13.9 GB/s, Q6_K 6.0 -> 12.5 with this; 16 in cache).
+constexpr int64_t PREFETCH_CHUNKS = 2;  // how far ahead
+
 constexpr int HALVES = 2;  // 16 outputs: two vectors of 8
 
 // Float32 weights of input pair p of a chunk: w[h][i] holds input 2p + i of outputs 8h .. 8h + 7,
@@ -50,6 +54,7 @@ inline void pair_weights(const uint8_t* chunk, int64_t p, __m256 w[HALVES][2]) {
   }
 }
 
+
 template <bool SIGNED, int NIBBLE = -1>
 inline __m256 byte_vector(const uint8_t* p) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
@@ -90,6 +95,7 @@ void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, int
   __m256 w[PAIRS][HALVES][2];
   for (int64_t b = 0; b < n_blocks; ++b) {
     const uint8_t* chunk = chunks + b * L.bytes;
+    prefetch(chunk + PREFETCH_CHUNKS * L.bytes, L.bytes);
     for (int64_t j = 0; j < n_sub; ++j) {
       for (int64_t p = 0; p < PAIRS; ++p) pair_weights<TYPE>(chunk, j * PAIRS + p, w[p]);
       const int64_t s = b * n_sub + j, k = b * F.n + j * F.sub;

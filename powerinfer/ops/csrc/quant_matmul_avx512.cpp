@@ -9,6 +9,10 @@ POWERINFER_TARGET_AVX512
 namespace powerinfer::avx512 {
 namespace {
 
+// Chunks are read front to back, but the hardware prefetchers fall behind on the larger ones
+// (measured from memory, one thread: Q5_K 6.5 -> 13.9 GB/s, Q6_K 6.0 -> 12.5 with this; 16 in cache).
+constexpr int64_t PREFETCH_CHUNKS = 2;  // how far ahead
+
 // Bfloat16 weights of input pair p of a chunk, 16 outputs x 2 inputs: 32-bit lane o holds output
 // o's weights of inputs 2p (low half) and 2p + 1, as 128 + q (Q8_0: q itself).
 template <int64_t TYPE>
@@ -41,6 +45,7 @@ inline __m512i pair_weights(const uint8_t* chunk, int64_t p) {
 
 // The float32 vector of 16 bytes of a chunk: int8 (sub-block scales) or, with NIBBLE >= 0, one
 // nibble of them (Q2_K: 0 scale, 1 minimum).
+
 template <bool SIGNED, int NIBBLE = -1>
 inline __m512 byte_vector(const uint8_t* p) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -64,6 +69,7 @@ void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, flo
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < n_blocks; ++b) {
     const uint8_t* chunk = chunks + b * L.bytes;
+    prefetch(chunk + PREFETCH_CHUNKS * L.bytes, L.bytes);
     const __m512 d = half_vector(chunk + L.d);
     const __m512 dmin = F.has_min ? half_vector(chunk + L.dmin) : _mm512_setzero_ps();
     for (int64_t j = 0; j < n_sub; ++j) {
