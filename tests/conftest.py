@@ -116,3 +116,36 @@ def tiny_relu(tmp_path_factory, default_model) -> Callable[[str], Path]:
         return path
 
     return fresh_copy
+
+
+def _instruction_sets() -> list[str]:
+    from powerinfer.ops import native
+
+    return native.instruction_sets() if native.load() is not None else []
+
+
+@pytest.fixture(params=_instruction_sets())
+def isa(request):
+    """Each instruction set this CPU runs the native kernels with (the test runs once per set)."""
+    from powerinfer.ops import native
+
+    with native.instruction_set(request.param):
+        yield request.param
+
+
+def quantized_rows(ggml_type, rows: int, cols: int, seed: int):
+    """GGUFTensor [rows, cols] of a block type: quantized by gguf.quants where it can (the 32-weight
+    types), else random blocks (gguf cannot quantize to K-quants; random integer fields are all a
+    kernel check against gguf.quants.dequantize needs)."""
+    import numpy as np
+    from gguf import quants
+
+    from powerinfer.gguf.reader import GGUFTensor
+    from powerinfer.ops.quant import random_blocks
+
+    rng = np.random.default_rng(seed)
+    try:
+        raw = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), ggml_type)
+    except NotImplementedError:
+        raw = random_blocks(ggml_type, rows, cols, rng)
+    return GGUFTensor("w", ggml_type, (rows, cols), raw)
