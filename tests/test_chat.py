@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,10 +21,13 @@ needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is no
 class Terminal:
     """`powerinfer chat` in a detached pane of a tmux server of its own, read back with capture-pane."""
 
-    def __init__(self, *args: str):
+    def __init__(self, status_file: Path, *args: str):
         self.socket = f"powerinfer-test-{uuid.uuid4().hex[:8]}"
-        command = shlex.join([sys.executable, "-m", "powerinfer.cli", "chat", *args])
-        # remain-on-exit keeps the pane after the process ends, so its exit status can be read.
+        self.status_file = status_file
+        chat = shlex.join([sys.executable, "-m", "powerinfer.cli", "chat", *args])
+        # A shell records the exit status (tmux's #{pane_dead_status} stays empty on some versions);
+        # remain-on-exit keeps the pane, and so the screen, after the process ends.
+        command = f"{chat}; echo $? > {shlex.quote(str(status_file))}"
         self.tmux("new-session", "-d", "-s", "chat", "-x", "160", "-y", "60", command,
                   ";", "set-option", "-t", "chat", "remain-on-exit", "on")
 
@@ -73,22 +77,21 @@ class Terminal:
         return self.tmux("display-message", "-p", "-t", "chat", "#{pane_dead}").strip() == "1"
 
     def exit_status(self) -> int:
-        # the pane is dead once the process closes the terminal; its status comes when it has exited
-        status = lambda: self.tmux("display-message", "-p", "-t", "chat", "#{pane_dead}:#{pane_dead_status}").strip()  # noqa: E731
-        self.wait_for(lambda: status().split(":")[0] == "1" and status().split(":")[1] != "", "the chat to end",
-                      timeout=60)
-        return int(status().split(":")[1])
+        self.wait_for(lambda: self.status_file.exists() and self.status_file.read_text().strip() != "",
+                      "the chat to end", timeout=60)
+        return int(self.status_file.read_text())
 
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True)
 
 
 @pytest.fixture
-def terminal(default_model):
+def terminal(default_model, tmp_path):
     sessions: list[Terminal] = []
 
     def start(*args: str) -> Terminal:
-        sessions.append(Terminal("-m", str(default_model), "--temp", "0", *args))
+        status_file = tmp_path / f"status-{len(sessions)}"
+        sessions.append(Terminal(status_file, "-m", str(default_model), "--temp", "0", *args))
         return sessions[-1]
 
     yield start

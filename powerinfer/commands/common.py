@@ -59,9 +59,14 @@ def read_prompt(args: argparse.Namespace) -> str | None:
 DEFAULT_TARGET_SPARSITY = 0.5
 
 
-def calibration_target(args: argparse.Namespace, llm) -> None:
-    """SiLU/GELU neurons are never exactly zero, so "fired" needs a threshold: without
+def calibration_ids(args: argparse.Namespace, llm, text: str) -> list[int]:
+    """The calibration text's token ids, refused when too short, and the firing target settled:
+    SiLU/GELU neurons are never exactly zero, so "fired" needs a threshold: without
     --target-sparsity or --target-error, the one half of each layer's neurons stays under."""
+    from powerinfer.sparsity.profiler import require_calibration_tokens
+
+    ids = llm.tokenize(text, add_bos=False)
+    require_calibration_tokens(ids, args.tokens)  # before the note below: a refusal is one line
     activation = llm.config.activation
     if args.target_sparsity is None and args.target_error is None and not activation.is_relu_family:
         args.target_sparsity = DEFAULT_TARGET_SPARSITY
@@ -69,3 +74,4 @@ def calibration_target(args: argparse.Namespace, llm) -> None:
               f"{DEFAULT_TARGET_SPARSITY:.0%} of its layer's activations stay under "
               f"(--target-sparsity {DEFAULT_TARGET_SPARSITY}; --target-sparsity or --target-error to choose)",
               file=sys.stderr)
+    return ids

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from powerinfer.commands.common import calibration_target, load_llm, read_text
+from powerinfer.commands.common import calibration_ids, load_llm, read_text
 from powerinfer.outputs import check_output_dir
 from powerinfer.sparsity.profiler import ACTIVATION_FILES, profile_activations
 
@@ -16,8 +16,7 @@ def main(args: argparse.Namespace) -> int:
     text = read_text(args.file)
     args.ctx_size, args.dtype = args.chunk, "auto"
     llm = load_llm(args)
-    calibration_target(args, llm)
-    ids = llm.tokenize(text, add_bos=False)
+    ids = calibration_ids(args, llm, text)
     profile = profile_activations(llm.model, ids, args.tokens, args.chunk, args.target_sparsity, args.target_error)
     profile.save(args.output, replace=args.force)
     sparsity = profile.sparsity

@@ -75,10 +75,16 @@ class ActivationProfile:
                    meta.get("target_sparsity"), meta.get("target_error"))
 
 
-def calibration_chunks(ids: Sequence[int], n_tokens: int | None, chunk: int) -> list[list[int]]:
+def require_calibration_tokens(ids: Sequence[int], n_tokens: int | None) -> list[int]:
+    """The first n_tokens ids (all when None), refused when too few to calibrate on."""
     ids = list(ids[:n_tokens] if n_tokens else ids)
     if len(ids) < MIN_CALIBRATION_TOKENS:
         raise PowerInferError(f"calibration text too short: {len(ids)} tokens, at least {MIN_CALIBRATION_TOKENS} needed")
+    return ids
+
+
+def calibration_chunks(ids: Sequence[int], n_tokens: int | None, chunk: int) -> list[list[int]]:
+    ids = require_calibration_tokens(ids, n_tokens)
     return [ids[i : i + chunk] for i in range(0, len(ids) - chunk // 4, chunk)]  # drop a tiny tail
 
 
