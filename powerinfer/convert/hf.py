@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -109,14 +110,15 @@ def _gguf_name(ckpt: HFCheckpoint, names: TensorNameMap, hf_name: str) -> str:
     return name
 
 
-def llama_metadata(ckpt: HFCheckpoint) -> tuple[str, dict[str, Any]]:
+def llama_metadata(ckpt: HFCheckpoint, arch: str = "llama") -> tuple[str, dict[str, Any]]:
+    """Metadata of a llama-shaped checkpoint (llama, Mistral, Qwen2, Qwen3), as GGUF architecture `arch`."""
     c = ckpt.config
+    _reject(ckpt, {"sliding-window attention (use_sliding_window=true)": c.get("use_sliding_window", False)})
     activation = HF_GATED_ACTIVATIONS.get(c.get("hidden_act", "silu"))
     if activation is None:
         raise UnsupportedModelError(f"{ckpt.folder}: unsupported hidden_act {c.get('hidden_act')!r}")
     n_head = c["num_attention_heads"]
     head_dim = c.get("head_dim") or c["hidden_size"] // n_head
-    arch = "llama"
     meta: dict[str, Any] = {
         f"{arch}.context_length": int(c.get("max_position_embeddings", 2048)),
         f"{arch}.embedding_length": int(c["hidden_size"]),
@@ -135,22 +137,29 @@ def llama_metadata(ckpt: HFCheckpoint) -> tuple[str, dict[str, Any]]:
     return arch, meta
 
 
-def llama_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
-    """(GGUF name, float32 array) for every weight, Q and K permuted as llama.cpp does."""
+def llama_tensors(ckpt: HFCheckpoint, arch: MODEL_ARCH = MODEL_ARCH.LLAMA) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array) for every weight; llama's Q and K rows permuted as llama.cpp does
+    (its RoPE pairs adjacent values; Qwen's, as NeoX, pairs halves and keeps Hugging Face's rows)."""
     c = ckpt.config
     n_head = c["num_attention_heads"]
     n_head_kv = c.get("num_key_value_heads") or n_head
-    names = get_tensor_name_map(MODEL_ARCH.LLAMA, c["num_hidden_layers"])
-    tied = c.get("tie_word_embeddings", False)
+    names = get_tensor_name_map(arch, c["num_hidden_layers"])
+    permute = arch == MODEL_ARCH.LLAMA
+    for name, tensor in _mapped_tensors(ckpt, names, tied_default=False):
+        if permute and name.endswith("attn_q.weight"):
+            tensor = _permute_qk(tensor, n_head)
+        elif permute and name.endswith("attn_k.weight"):
+            tensor = _permute_qk(tensor, n_head_kv)
+        yield name, tensor.numpy()
+
+
+def _mapped_tensors(ckpt: HFCheckpoint, names: TensorNameMap, tied_default: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """(GGUF name, tensor) for every weight but rotary caches and a tied lm_head."""
+    tied = ckpt.config.get("tie_word_embeddings", tied_default)
     for hf_name, tensor in ckpt.tensors():
         if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
             continue
-        name = _gguf_name(ckpt, names, hf_name)
-        if name.endswith("attn_q.weight"):
-            tensor = _permute_qk(tensor, n_head)
-        elif name.endswith("attn_k.weight"):
-            tensor = _permute_qk(tensor, n_head_kv)
-        yield name, tensor.numpy()
+        yield _gguf_name(ckpt, names, hf_name), tensor
 
 
 # Falcon's `activation` -> ours. llama.cpp computes GELU with the tanh approximation; so do we.
@@ -205,11 +214,7 @@ def falcon_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
     c = ckpt.config
     n_head, n_head_kv = _falcon_heads(c)
     names = get_tensor_name_map(MODEL_ARCH.FALCON, c["num_hidden_layers"])
-    tied = c.get("tie_word_embeddings", True)
-    for hf_name, tensor in ckpt.tensors():
-        if tied and hf_name == "lm_head.weight":
-            continue
-        name = _gguf_name(ckpt, names, hf_name)
+    for name, tensor in _mapped_tensors(ckpt, names, tied_default=True):
         if name.endswith("attn_qkv.weight"):
             tensor = _falcon_qkv(tensor, n_head, n_head_kv)
         yield name, tensor.numpy()
@@ -269,6 +274,8 @@ def opt_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": (llama_metadata, llama_tensors),
     "MistralForCausalLM": (llama_metadata, llama_tensors),
+    "Qwen2ForCausalLM": (partial(llama_metadata, arch="qwen2"), partial(llama_tensors, arch=MODEL_ARCH.QWEN2)),
+    "Qwen3ForCausalLM": (partial(llama_metadata, arch="qwen3"), partial(llama_tensors, arch=MODEL_ARCH.QWEN3)),
     "FalconForCausalLM": (falcon_metadata, falcon_tensors),
     "OPTForCausalLM": (opt_metadata, opt_tensors),
 }

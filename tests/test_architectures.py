@@ -1,0 +1,140 @@
+"""Qwen2, Qwen3, Gemma 3, Phi-3 and Mixtral-style mixtures of experts against transformers.
+
+Each tiny random model made with transformers is read twice: converted by our converter, and
+written by tests/llamacpp_gguf.py following llama.cpp's conventions (which transformers itself
+reads back where it can, checking those conventions independently). In float32 our logits equal
+transformers' to 1e-3 of the logit range, for a whole prompt, in chunks and token by token from
+the KV cache (past Gemma 3's and Phi-3's sliding windows)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MixtralConfig, MixtralForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
+
+from powerinfer.gguf import open_gguf
+from powerinfer.models import load_model
+from powerinfer.models.ffn import FFNOptions
+from powerinfer.runtime.engine import Engine
+
+from conftest import convert_each
+from llamacpp_gguf import transformers_reading, write_llamacpp_gguf
+
+VOCAB = 256
+N_CTX = 64
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=N_CTX, initializer_range=0.1, tie_word_embeddings=False)
+# Gemma 3: six layers for llama.cpp's pattern (five windowed, one global), 270M's head shape
+GEMMA = dict(SMALL, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+             query_pre_attn_scalar=256, sliding_window=8, tie_word_embeddings=True)
+LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                original_max_position_embeddings=32, short_factor=[1.0 + 0.1 * i for i in range(6)],
+                long_factor=[2.0 + 0.5 * i for i in range(6)])
+
+
+@dataclass(frozen=True)
+class Case:
+    make: Callable[[], PreTrainedModel]
+    llamacpp: bool = True  # tests/llamacpp_gguf.py writes it (llama.cpp's converter takes such a model)
+    readback: bool = False  # transformers reads llama.cpp-convention GGUFs of the architecture
+    window: int = 0  # sliding window: the decode test runs past it
+    eager: bool = False  # the reference needs transformers' eager attention (soft-capped scores)
+    extra: dict = field(default_factory=dict)
+
+
+CASES = {
+    "qwen2": Case(lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL)), readback=True),
+    # head_dim is not hidden_size / heads; transformers' GGUF reader takes Qwen3Config's default (128)
+    "qwen3": Case(lambda: Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=128)), readback=True),
+}
+
+
+def make(name: str) -> PreTrainedModel:
+    torch.manual_seed(0)
+    model = CASES[name].make().eval()
+    with torch.no_grad():  # transformers starts norms at 1 (Gemma's at 0) and biases at 0, which would hide bugs
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    if CASES[name].eager:
+        model.config._attn_implementation = "eager"
+    return model
+
+
+@dataclass
+class Tiny:
+    name: str
+    case: Case
+    hf: PreTrainedModel
+    ours: dict[str, Path]  # by outtype, converted by powerinfer
+    llamacpp: Path | None  # written by tests/llamacpp_gguf.py
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def tiny(request, tmp_path_factory) -> Tiny:
+    folder = tmp_path_factory.mktemp(request.param)
+    model = make(request.param)
+    model.save_pretrained(folder)
+    case = CASES[request.param]
+    llamacpp = write_llamacpp_gguf(model, folder / "llamacpp" / "model.gguf") if case.llamacpp else None
+    return Tiny(request.param, case, model, convert_each(folder, ("f32", "q8_0")), llamacpp)
+
+
+@pytest.fixture(scope="module")
+def ids() -> list[int]:
+    return torch.randint(0, VOCAB, (N_CTX - 8,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+def reference(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def engine(path: Path, float32: bool = True, n_batch: int = 512, sparsity="off", n_ctx: int = N_CTX) -> Engine:
+    return Engine(load_model(open_gguf(path), n_ctx, FFNOptions(sparsity=sparsity, float32=float32)), n_ctx,
+                  n_batch=n_batch)
+
+
+def assert_close(ours: torch.Tensor, expected: torch.Tensor, share: float = 1e-3) -> None:
+    """max |ours - expected| within `share` of the expected logits' range."""
+    span = (expected.max() - expected.min()).item()
+    assert (ours - expected).abs().max().item() <= share * span, ((ours - expected).abs().max().item(), span)
+
+
+def sources(tiny: Tiny) -> list[Path]:
+    return [tiny.ours["f32"]] + ([tiny.llamacpp] if tiny.llamacpp is not None else [])
+
+
+def test_prompt_logits_equal_transformers(tiny, ids):
+    expected = reference(tiny.hf, ids)
+    for path in sources(tiny):
+        assert_close(engine(path).all_logits(ids), expected)
+
+
+def test_chunked_and_token_by_token_logits_equal_transformers(tiny, ids):
+    """Chunks of 5 start after cached tokens; one token at a time reads everything from the cache;
+    both go past a sliding window where the model has one."""
+    assert not tiny.case.window or len(ids) > 2 * tiny.case.window
+    expected = reference(tiny.hf, ids)
+    for path in sources(tiny):
+        assert_close(engine(path, n_batch=5).all_logits(ids), expected)
+        stepwise = engine(path)
+        rows = [stepwise.prefill(0, ids[:1])] + [stepwise.decode([(0, t)])[0] for t in ids[1:]]
+        assert_close(torch.stack(rows), expected)
+
+
+def test_transformers_reads_the_llamacpp_convention_file(tiny, ids):
+    if not tiny.case.readback:
+        pytest.skip(f"transformers does not read {tiny.name} GGUF files")
+    assert_close(reference(transformers_reading(tiny.llamacpp), ids), reference(tiny.hf, ids))
+
+
+def test_quantized_file_is_close_to_transformers(tiny, ids):
+    """Q8_0 on the fast path (our kernels, bfloat16 activations)."""
+    assert_close(engine(tiny.ours["q8_0"], float32=False).all_logits(ids), reference(tiny.hf, ids), share=0.03)
