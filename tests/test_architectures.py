@@ -9,8 +9,9 @@ the KV cache (past Gemma 3's and Phi-3's sliding windows)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MixtralConfig, Mi
 from powerinfer.gguf import open_gguf
 from powerinfer.models import load_model
 from powerinfer.models.ffn import FFNOptions
+from powerinfer.models.layers import _softcapped_attention
 from powerinfer.runtime.engine import Engine
 
 from conftest import convert_each
@@ -44,14 +46,21 @@ class Case:
     llamacpp: bool = True  # tests/llamacpp_gguf.py writes it (llama.cpp's converter takes such a model)
     readback: bool = False  # transformers reads llama.cpp-convention GGUFs of the architecture
     window: int = 0  # sliding window: the decode test runs past it
-    eager: bool = False  # the reference needs transformers' eager attention (soft-capped scores)
-    extra: dict = field(default_factory=dict)
 
 
 CASES = {
     "qwen2": Case(lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL)), readback=True),
     # head_dim is not hidden_size / heads; transformers' GGUF reader takes Qwen3Config's default (128)
     "qwen3": Case(lambda: Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=128)), readback=True),
+    "gemma3": Case(lambda: Gemma3ForCausalLM(Gemma3TextConfig(**GEMMA)), readback=True, window=GEMMA["sliding_window"]),
+    # what llama.cpp's converter leaves to assumption, stated by ours: the windowed layers, their RoPE
+    # base and the query scale; and soft-capped logits
+    "gemma3-stated": Case(lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        **dict(GEMMA, num_hidden_layers=2, head_dim=32, query_pre_attn_scalar=24), final_logit_softcapping=3.0,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 5000.0}})),
+        llamacpp=False, window=GEMMA["sliding_window"]),
 }
 
 
@@ -62,8 +71,6 @@ def make(name: str) -> PreTrainedModel:
         for p in model.parameters():
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn_like(p))
-    if CASES[name].eager:
-        model.config._attn_implementation = "eager"
     return model
 
 
@@ -129,12 +136,29 @@ def test_chunked_and_token_by_token_logits_equal_transformers(tiny, ids):
         assert_close(torch.stack(rows), expected)
 
 
+@pytest.mark.parametrize("tiny", [name for name, case in CASES.items() if case.readback], indirect=True)
 def test_transformers_reads_the_llamacpp_convention_file(tiny, ids):
-    if not tiny.case.readback:
-        pytest.skip(f"transformers does not read {tiny.name} GGUF files")
     assert_close(reference(transformers_reading(tiny.llamacpp), ids), reference(tiny.hf, ids))
 
 
 def test_quantized_file_is_close_to_transformers(tiny, ids):
     """Q8_0 on the fast path (our kernels, bfloat16 activations)."""
     assert_close(engine(tiny.ours["q8_0"], float32=False).all_logits(ids), reference(tiny.hf, ids), share=0.03)
+
+
+@pytest.mark.parametrize("cached", [0, 6])
+def test_soft_capped_attention_equals_transformers(cached):
+    """Soft-capped scores (attn_logit_softcapping; Gemma 2 has it, transformers' Gemma 3 ignores it)
+    as transformers' Gemma 2 computes them, with grouped KV heads, for a prompt and after cached keys."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    n, length, heads, kv_heads, hd = 5, 5 + cached, 4, 2, 16
+    q, k, v = (torch.randn(1, h, m, hd, generator=g) * 2 for h, m in ((heads, n), (kv_heads, length), (kv_heads, length)))
+    visible = torch.ones(n, length, dtype=torch.bool).tril(cached)
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, head_dim=hd, training=False)
+    additive = torch.zeros(1, 1, n, length).masked_fill(~visible, float("-inf"))
+    expected, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.3, softcap=1.5)
+    mask = dict(is_causal=True) if not cached else dict(attn_mask=visible)
+    ours = _softcapped_attention(q, k, v, 0.3, 1.5, **mask).transpose(1, 2)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)

@@ -23,6 +23,7 @@ from powerinfer.config import ACTIVATION_KEY, HF_GATED_ACTIVATIONS, FFNActivatio
 from powerinfer.convert.model import ModelSource, write_model
 from powerinfer.convert.tokenizer import tokenizer_metadata
 from powerinfer.errors import ModelFileError, UnsupportedModelError
+from powerinfer.models.gemma import llama_cpp_query_scale
 from powerinfer.sparsity.files import load_torch_file
 
 
@@ -80,11 +81,14 @@ def _permute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _rope_metadata(ckpt: HFCheckpoint, arch: str) -> dict[str, Any]:
-    """RoPE base and linear scaling, from `rope_parameters` (transformers >= 5) or `rope_theta` and
-    `rope_scaling` (older configs)."""
+def _rope_metadata(ckpt: HFCheckpoint, arch: str, layer_type: str | None = None) -> dict[str, Any]:
+    """RoPE base and linear scaling, from `rope_parameters` (transformers >= 5; per layer type for
+    Gemma 3, whose `layer_type` "full_attention" is the one llama.cpp's keys describe) or
+    `rope_theta` and `rope_scaling` (older configs)."""
     c = ckpt.config
     params = c.get("rope_parameters") or {}
+    if layer_type is not None:
+        params = params.get(layer_type) or {}
     meta: dict[str, Any] = {f"{arch}.rope.freq_base": float(params.get("rope_theta", c.get("rope_theta", 10000.0)))}
     scaling = c.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -114,9 +118,15 @@ def llama_metadata(ckpt: HFCheckpoint, arch: str = "llama") -> tuple[str, dict[s
     """Metadata of a llama-shaped checkpoint (llama, Mistral, Qwen2, Qwen3), as GGUF architecture `arch`."""
     c = ckpt.config
     _reject(ckpt, {"sliding-window attention (use_sliding_window=true)": c.get("use_sliding_window", False)})
-    activation = HF_GATED_ACTIVATIONS.get(c.get("hidden_act", "silu"))
+    return arch, {**_decoder_metadata(ckpt, arch, c.get("hidden_act", "silu")), **_rope_metadata(ckpt, arch)}
+
+
+def _decoder_metadata(ckpt: HFCheckpoint, arch: str, hidden_act: str) -> dict[str, Any]:
+    """Shapes, eps and FFN activation of a decoder with RMSNorms and a gated FFN."""
+    c = ckpt.config
+    activation = HF_GATED_ACTIVATIONS.get(hidden_act)
     if activation is None:
-        raise UnsupportedModelError(f"{ckpt.folder}: unsupported hidden_act {c.get('hidden_act')!r}")
+        raise UnsupportedModelError(f"{ckpt.folder}: unsupported hidden activation {hidden_act!r}")
     n_head = c["num_attention_heads"]
     head_dim = c.get("head_dim") or c["hidden_size"] // n_head
     meta: dict[str, Any] = {
@@ -130,11 +140,10 @@ def llama_metadata(ckpt: HFCheckpoint, arch: str = "llama") -> tuple[str, dict[s
         f"{arch}.rope.dimension_count": int(head_dim),
         f"{arch}.vocab_size": int(c["vocab_size"]),
         ACTIVATION_KEY: activation.value,
-        **_rope_metadata(ckpt, arch),
     }
     if head_dim != c["hidden_size"] // n_head:
         meta[f"{arch}.attention.key_length"] = meta[f"{arch}.attention.value_length"] = int(head_dim)
-    return arch, meta
+    return meta
 
 
 def llama_tensors(ckpt: HFCheckpoint, arch: MODEL_ARCH = MODEL_ARCH.LLAMA) -> Iterator[tuple[str, np.ndarray]]:
@@ -160,6 +169,43 @@ def _mapped_tensors(ckpt: HFCheckpoint, names: TensorNameMap, tied_default: bool
         if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
             continue
         yield _gguf_name(ckpt, names, hf_name), tensor
+
+
+def gemma3_metadata(ckpt: HFCheckpoint) -> tuple[str, dict[str, Any]]:
+    """Gemma 3 as llama.cpp writes it, plus what llama.cpp leaves to assumption (it reads none of
+    it): which layers use the sliding window, their RoPE base, and the query scale where it is not
+    the one llama.cpp assumes; the logits' soft cap where the config has one."""
+    c, arch = ckpt.config, "gemma3"
+    # transformers' Gemma 3 ignores it and llama.cpp's converter refuses it
+    _reject(ckpt, {"attention soft-capping (attn_logit_softcapping)": c.get("attn_logit_softcapping")})
+    meta = {**_decoder_metadata(ckpt, arch, c.get("hidden_activation", "gelu_pytorch_tanh")),
+            **_rope_metadata(ckpt, arch, "full_attention")}
+    n_head, n_layers = c["num_attention_heads"], c["num_hidden_layers"]
+    head_dim = c.get("head_dim") or 256  # Gemma3TextConfig's default
+    meta[f"{arch}.attention.key_length"] = meta[f"{arch}.attention.value_length"] = int(head_dim)
+    meta[f"{arch}.rope.dimension_count"] = int(head_dim)
+    local = (c.get("rope_parameters") or {}).get("sliding_attention") or {}
+    meta[f"{arch}.rope.freq_base_swa"] = float(local.get("rope_theta", c.get("rope_local_base_freq", 10000.0)))
+    period = c.get("sliding_window_pattern", 6)
+    types = c.get("layer_types") or ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                                     for i in range(n_layers)]
+    if "sliding_attention" in types and c.get("sliding_window"):
+        meta[f"{arch}.attention.sliding_window"] = int(c["sliding_window"])
+        meta[f"{arch}.attention.sliding_window_pattern"] = [t == "sliding_attention" for t in types]
+    scale = float(c.get("query_pre_attn_scalar", 256)) ** -0.5
+    if scale != llama_cpp_query_scale(n_layers, c["hidden_size"], n_head, head_dim):
+        meta[f"{arch}.attention.scale"] = scale
+    if c.get("final_logit_softcapping"):
+        meta[f"{arch}.final_logit_softcapping"] = float(c["final_logit_softcapping"])
+    return arch, meta
+
+
+def gemma3_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array) for every weight, norms stored as 1 + w as llama.cpp does (Gemma's
+    RMSNorm multiplies by 1 + w)."""
+    names = get_tensor_name_map(MODEL_ARCH.GEMMA3, ckpt.config["num_hidden_layers"])
+    for name, tensor in _mapped_tensors(ckpt, names, tied_default=True):
+        yield name, (tensor + 1 if name.endswith("norm.weight") else tensor).numpy()
 
 
 # Falcon's `activation` -> ours. llama.cpp computes GELU with the tanh approximation; so do we.
@@ -276,6 +322,7 @@ HF_ARCHITECTURES = {
     "MistralForCausalLM": (llama_metadata, llama_tensors),
     "Qwen2ForCausalLM": (partial(llama_metadata, arch="qwen2"), partial(llama_tensors, arch=MODEL_ARCH.QWEN2)),
     "Qwen3ForCausalLM": (partial(llama_metadata, arch="qwen3"), partial(llama_tensors, arch=MODEL_ARCH.QWEN3)),
+    "Gemma3ForCausalLM": (gemma3_metadata, gemma3_tensors),
     "FalconForCausalLM": (falcon_metadata, falcon_tensors),
     "OPTForCausalLM": (opt_metadata, opt_tensors),
 }
