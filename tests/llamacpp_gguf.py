@@ -38,6 +38,10 @@ def _metadata(writer: GGUFWriter, arch: MODEL_ARCH, c) -> None:
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_vocab_size(c.vocab_size)
+    for token, add in ((c.bos_token_id, writer.add_bos_token_id), (c.eos_token_id, writer.add_eos_token_id),
+                       (c.pad_token_id, writer.add_pad_token_id)):
+        if token is not None:  # what llama.cpp's converter takes from the tokenizer's special tokens
+            add(token)
     if head_dim != c.hidden_size // n_head or arch == MODEL_ARCH.GEMMA3:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)

@@ -8,6 +8,7 @@ the KV cache (past Gemma 3's and Phi-3's sliding windows)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,10 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MixtralConfig, Mi
                           Phi3ForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
 
+from powerinfer.convert.hf import hf_source
+from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf import open_gguf
+from powerinfer.gguf.writer import write_gguf
 from powerinfer.models import load_model
 from powerinfer.models.ffn import FFNOptions
 from powerinfer.models.layers import _softcapped_attention
@@ -27,6 +31,7 @@ from powerinfer.runtime.engine import Engine
 
 from conftest import convert_each
 from llamacpp_gguf import transformers_reading, write_llamacpp_gguf
+from test_cli import assert_one_line_error, powerinfer
 
 VOCAB = 256
 N_CTX = 64
@@ -35,6 +40,7 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
 # Gemma 3: six layers for llama.cpp's pattern (five windowed, one global), 270M's head shape
 GEMMA = dict(SMALL, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
              query_pre_attn_scalar=256, sliding_window=8, tie_word_embeddings=True)
+PHI = dict(SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
                 original_max_position_embeddings=32, short_factor=[1.0 + 0.1 * i for i in range(6)],
                 long_factor=[2.0 + 0.5 * i for i in range(6)])
@@ -61,6 +67,12 @@ CASES = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 5000.0}})),
         llamacpp=False, window=GEMMA["sliding_window"]),
+    "phi3": Case(lambda: Phi3ForCausalLM(Phi3Config(**PHI)), readback=True),
+    # Phi-4-mini's partial rotary embedding, Phi-3-128k's LongRoPE (the prompt runs past the trained
+    # context: long factors) and Phi-3's sliding window
+    "phi3-longrope": Case(lambda: Phi3ForCausalLM(Phi3Config(
+        **PHI, rope_parameters=LONGROPE, original_max_position_embeddings=LONGROPE["original_max_position_embeddings"],
+        sliding_window=12)), window=12),
 }
 
 
@@ -146,6 +158,16 @@ def test_quantized_file_is_close_to_transformers(tiny, ids):
     assert_close(engine(tiny.ours["q8_0"], float32=False).all_logits(ids), reference(tiny.hf, ids), share=0.03)
 
 
+@pytest.mark.parametrize("tiny", ["phi3-longrope"], indirect=True)
+def test_longrope_short_factors_within_the_trained_context(tiny, ids):
+    """A context no longer than the trained one takes LongRoPE's short factors (llama.cpp chooses by
+    context size, transformers by sequence length: the same within it)."""
+    trained = LONGROPE["original_max_position_embeddings"]
+    expected = reference(tiny.hf, ids[:trained])
+    for path in sources(tiny):
+        assert_close(engine(path, n_ctx=trained).all_logits(ids[:trained]), expected)
+
+
 @pytest.mark.parametrize("cached", [0, 6])
 def test_soft_capped_attention_equals_transformers(cached):
     """Soft-capped scores (attn_logit_softcapping; Gemma 2 has it, transformers' Gemma 3 ignores it)
@@ -162,3 +184,19 @@ def test_soft_capped_attention_equals_transformers(cached):
     mask = dict(is_causal=True) if not cached else dict(attn_mask=visible)
     ours = _softcapped_attention(q, k, v, 0.3, 1.5, **mask).transpose(1, 2)
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_rope_scaling_is_refused_in_one_line(tmp_path):
+    """YaRN and other RoPE scalings we do not compute: refused by the converter and at load."""
+    Phi3Config(**PHI).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["Phi3ForCausalLM"]
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="unsupported rope_scaling .*yarn") as error:
+        hf_source(tmp_path)
+    assert "\n" not in str(error.value)
+    path = tmp_path / "yarn.gguf"
+    write_gguf(path, "phi3", {"phi3.rope.scaling.type": "yarn", "phi3.block_count": 1, "phi3.embedding_length": 64,
+                              "phi3.feed_forward_length": 96, "phi3.attention.head_count": 4, "phi3.vocab_size": VOCAB}, [])
+    assert_one_line_error(powerinfer("run", "-m", str(path), "-p", "hi", "-n", "1"), "unsupported RoPE scaling 'yarn'")

@@ -8,6 +8,7 @@ converter does, so our files and llama.cpp's are interchangeable.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -208,6 +209,47 @@ def gemma3_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
         yield name, (tensor + 1 if name.endswith("norm.weight") else tensor).numpy()
 
 
+def phi3_metadata(ckpt: HFCheckpoint) -> tuple[str, dict[str, Any]]:
+    """Phi-3 as llama.cpp writes it: partial rotary dimensions, the trained context, LongRoPE's
+    magnitude (its frequency factors are tensors: `phi3_tensors`), and the sliding window."""
+    c, arch = ckpt.config, "phi3"
+    meta = _decoder_metadata(ckpt, arch, c.get("hidden_act", "silu"))
+    rope = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or rope
+    hidden, n_head = c["hidden_size"], c["num_attention_heads"]
+    max_positions = int(c.get("max_position_embeddings", 4096))
+    trained = int(c.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+                  or max_positions)
+    meta.update({
+        f"{arch}.rope.dimension_count": int(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) * hidden)
+                                        // n_head,
+        f"{arch}.rope.freq_base": float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+        f"{arch}.rope.scaling.original_context_length": trained,
+    })
+    if c.get("sliding_window"):
+        meta[f"{arch}.attention.sliding_window"] = int(c["sliding_window"])
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in ("longrope", "su"):  # transformers' attention factor: stated, else from the context ratio
+        factor = scaling.get("factor") or max_positions / trained
+        default = math.sqrt(1 + math.log(factor) / math.log(trained)) if factor > 1 else 1.0
+        meta[f"{arch}.rope.scaling.attn_factor"] = float(scaling.get("attention_factor") or default)
+    elif kind not in (None, "default"):
+        raise UnsupportedModelError(f"{ckpt.folder}: unsupported rope_scaling {scaling} (supported: longrope)")
+    return arch, meta
+
+
+def phi3_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array) for every weight, and LongRoPE's long and short factors as tensors."""
+    c = ckpt.config
+    names = get_tensor_name_map(MODEL_ARCH.PHI3, c["num_hidden_layers"])
+    for name, tensor in _mapped_tensors(ckpt, names, tied_default=False):
+        yield name, tensor.numpy()
+    scaling = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    if scaling.get("long_factor"):
+        for kind in ("long", "short"):
+            yield f"rope_factors_{kind}.weight", np.asarray(scaling[f"{kind}_factor"], dtype=np.float32)
+
+
 # Falcon's `activation` -> ours. llama.cpp computes GELU with the tanh approximation; so do we.
 FALCON_ACTIVATIONS = {"relu": FFNActivation.RELU, "gelu": FFNActivation.GELU, "gelu_new": FFNActivation.GELU,
                       "gelu_pytorch_tanh": FFNActivation.GELU}
@@ -323,6 +365,7 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": (partial(llama_metadata, arch="qwen2"), partial(llama_tensors, arch=MODEL_ARCH.QWEN2)),
     "Qwen3ForCausalLM": (partial(llama_metadata, arch="qwen3"), partial(llama_tensors, arch=MODEL_ARCH.QWEN3)),
     "Gemma3ForCausalLM": (gemma3_metadata, gemma3_tensors),
+    "Phi3ForCausalLM": (phi3_metadata, phi3_tensors),
     "FalconForCausalLM": (falcon_metadata, falcon_tensors),
     "OPTForCausalLM": (opt_metadata, opt_tensors),
 }
