@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, GGUFWriter, get_tensor_name_map
+from safetensors import safe_open
 from transformers import PreTrainedModel
 
 ARCHES = {"qwen2": MODEL_ARCH.QWEN2, "qwen3": MODEL_ARCH.QWEN3, "gemma3_text": MODEL_ARCH.GEMMA3,
@@ -65,15 +66,22 @@ def _metadata(writer: GGUFWriter, arch: MODEL_ARCH, c) -> None:
         writer.add_expert_used_count(c.num_experts_per_tok)
 
 
-def _tensors(model: PreTrainedModel, arch: MODEL_ARCH) -> dict[str, np.ndarray]:
-    c = model.config
+def _checkpoint(folder: Path):
+    """(name, tensor) of the safetensors files in `folder`: what llama.cpp's converter reads."""
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _tensors(folder: Path, c, arch: MODEL_ARCH) -> dict[str, np.ndarray]:
     names = get_tensor_name_map(arch, c.num_hidden_layers)
     out: dict[str, np.ndarray] = {}
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
-    for hf_name, tensor in model.state_dict().items():
+    for hf_name, tensor in _checkpoint(folder):
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        data = tensor.detach().float().numpy()
+        data = tensor.float().numpy()
         expert = EXPERT.fullmatch(hf_name)
         if expert:  # gathered per layer and kind, stacked below as llama.cpp does
             experts.setdefault((int(expert[1]), expert[3]), {})[int(expert[2])] = data
@@ -86,7 +94,7 @@ def _tensors(model: PreTrainedModel, arch: MODEL_ARCH) -> dict[str, np.ndarray]:
             data = _llama_permute(data, c.num_attention_heads if "attn_q" in name else c.num_key_value_heads)
         out[name] = data
     for (layer, kind), by_expert in experts.items():
-        name = names.get_name(f"model.layers.{layer}.block_sparse_moe.experts.{kind}.weight")
+        name = names.get_name(f"model.layers.{layer}.block_sparse_moe.experts.{kind}.weight", try_suffixes=(".weight",))
         out[name] = np.stack([by_expert[e] for e in sorted(by_expert)])
     rope = c.rope_parameters
     if arch == MODEL_ARCH.PHI3 and rope.get("long_factor"):
@@ -95,13 +103,13 @@ def _tensors(model: PreTrainedModel, arch: MODEL_ARCH) -> dict[str, np.ndarray]:
     return out
 
 
-def write_llamacpp_gguf(model: PreTrainedModel, path: Path) -> Path:
-    """`model` as llama.cpp's converter would write it, in float32."""
+def write_llamacpp_gguf(model: PreTrainedModel, folder: Path, path: Path) -> Path:
+    """`model`, saved in `folder` by save_pretrained, as llama.cpp's converter would write it, in float32."""
     arch = ARCHES[model.config.model_type]
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = GGUFWriter(path, MODEL_ARCH_NAMES[arch])
     _metadata(writer, arch, model.config)
-    for name, data in _tensors(model, arch).items():
+    for name, data in _tensors(folder, model.config, arch).items():
         writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

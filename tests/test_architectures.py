@@ -40,6 +40,7 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
 # Gemma 3: six layers for llama.cpp's pattern (five windowed, one global), 270M's head shape
 GEMMA = dict(SMALL, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
              query_pre_attn_scalar=256, sliding_window=8, tie_word_embeddings=True)
+MOE = dict(SMALL, num_local_experts=4, num_experts_per_tok=2)
 PHI = dict(SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
                 original_max_position_embeddings=32, short_factor=[1.0 + 0.1 * i for i in range(6)],
@@ -73,6 +74,10 @@ CASES = {
     "phi3-longrope": Case(lambda: Phi3ForCausalLM(Phi3Config(
         **PHI, rope_parameters=LONGROPE, original_max_position_embeddings=LONGROPE["original_max_position_embeddings"],
         sliding_window=12)), window=12),
+    "mixtral": Case(lambda: MixtralForCausalLM(MixtralConfig(**MOE))),
+    # ReGLU experts: skipping the neurons that output zero changes nothing (sparse paths exact);
+    # llama.cpp's llama has no key for the activation
+    "mixtral-relu": Case(lambda: MixtralForCausalLM(MixtralConfig(**MOE, hidden_act="relu")), llamacpp=False),
 }
 
 
@@ -101,7 +106,7 @@ def tiny(request, tmp_path_factory) -> Tiny:
     model = make(request.param)
     model.save_pretrained(folder)
     case = CASES[request.param]
-    llamacpp = write_llamacpp_gguf(model, folder / "llamacpp" / "model.gguf") if case.llamacpp else None
+    llamacpp = write_llamacpp_gguf(model, folder, folder / "llamacpp" / "model.gguf") if case.llamacpp else None
     return Tiny(request.param, case, model, convert_each(folder, ("f32", "q8_0")), llamacpp)
 
 
@@ -154,8 +159,13 @@ def test_transformers_reads_the_llamacpp_convention_file(tiny, ids):
 
 
 def test_quantized_file_is_close_to_transformers(tiny, ids):
-    """Q8_0 on the fast path (our kernels, bfloat16 activations)."""
-    assert_close(engine(tiny.ours["q8_0"], float32=False).all_logits(ids), reference(tiny.hf, ids), share=0.03)
+    """Q8_0 on the fast path (our kernels, bfloat16 activations). A router whose top choices nearly
+    tie picks another expert once the weights are rounded (it does here for a token or two, in
+    exact arithmetic on the same file too): for mixtures of experts, 90 % of the positions."""
+    ours, expected = engine(tiny.ours["q8_0"], float32=False).all_logits(ids), reference(tiny.hf, ids)
+    span = (expected.max() - expected.min()).item()
+    close = (ours - expected).abs().amax(-1) <= 0.03 * span
+    assert close.float().mean() >= (0.9 if tiny.hf.config.model_type == "mixtral" else 1.0), close
 
 
 @pytest.mark.parametrize("tiny", ["phi3-longrope"], indirect=True)

@@ -26,10 +26,11 @@ def parse_outtype(name: str) -> T:
 
 
 def encode_tensor(name: str, array: np.ndarray, outtype: T) -> TensorData:
-    """Store vectors as F32 and matrices as `outtype`; a matrix whose rows do not split into whole
-    quantization blocks falls back to F16 (as llama.cpp's converter does)."""
+    """Store vectors and a mixture of experts' router (ffn_gate_inp: llama.cpp never quantizes it, a
+    rounded router picks other experts) as F32 and matrices as `outtype`; a matrix whose rows do not
+    split into whole quantization blocks falls back to F16 (as llama.cpp's converter does)."""
     array = np.ascontiguousarray(array, dtype=np.float32)
-    if array.ndim == 1 or outtype == T.F32:
+    if array.ndim == 1 or outtype == T.F32 or name.endswith("ffn_gate_inp.weight"):
         return TensorData(name, array, T.F32)
     if outtype == T.F16:
         return TensorData(name, array.astype(np.float16), T.F16)

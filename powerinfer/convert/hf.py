@@ -147,15 +147,17 @@ def _decoder_metadata(ckpt: HFCheckpoint, arch: str, hidden_act: str) -> dict[st
     return meta
 
 
-def llama_tensors(ckpt: HFCheckpoint, arch: MODEL_ARCH = MODEL_ARCH.LLAMA) -> Iterator[tuple[str, np.ndarray]]:
-    """(GGUF name, float32 array) for every weight; llama's Q and K rows permuted as llama.cpp does
-    (its RoPE pairs adjacent values; Qwen's, as NeoX, pairs halves and keeps Hugging Face's rows)."""
+def llama_tensors(ckpt: HFCheckpoint, arch: MODEL_ARCH = MODEL_ARCH.LLAMA,
+                  source: Iterator[tuple[str, torch.Tensor]] | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array) for every weight (of `source`, default the checkpoint's); llama's Q
+    and K rows permuted as llama.cpp does (its RoPE pairs adjacent values; Qwen's, as NeoX, pairs
+    halves and keeps Hugging Face's rows)."""
     c = ckpt.config
     n_head = c["num_attention_heads"]
     n_head_kv = c.get("num_key_value_heads") or n_head
     names = get_tensor_name_map(arch, c["num_hidden_layers"])
     permute = arch == MODEL_ARCH.LLAMA
-    for name, tensor in _mapped_tensors(ckpt, names, tied_default=False):
+    for name, tensor in _mapped_tensors(ckpt, names, tied_default=False, source=source):
         if permute and name.endswith("attn_q.weight"):
             tensor = _permute_qk(tensor, n_head)
         elif permute and name.endswith("attn_k.weight"):
@@ -163,10 +165,12 @@ def llama_tensors(ckpt: HFCheckpoint, arch: MODEL_ARCH = MODEL_ARCH.LLAMA) -> It
         yield name, tensor.numpy()
 
 
-def _mapped_tensors(ckpt: HFCheckpoint, names: TensorNameMap, tied_default: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """(GGUF name, tensor) for every weight but rotary caches and a tied lm_head."""
+def _mapped_tensors(ckpt: HFCheckpoint, names: TensorNameMap, tied_default: bool,
+                    source: Iterator[tuple[str, torch.Tensor]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(GGUF name, tensor) for every weight (of `source`, default the checkpoint's) but rotary caches
+    and a tied lm_head."""
     tied = ckpt.config.get("tie_word_embeddings", tied_default)
-    for hf_name, tensor in ckpt.tensors():
+    for hf_name, tensor in ckpt.tensors() if source is None else source:
         if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
             continue
         yield _gguf_name(ckpt, names, hf_name), tensor
@@ -248,6 +252,44 @@ def phi3_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
     if scaling.get("long_factor"):
         for kind in ("long", "short"):
             yield f"rope_factors_{kind}.weight", np.asarray(scaling[f"{kind}_factor"], dtype=np.float32)
+
+
+def mixtral_metadata(ckpt: HFCheckpoint) -> tuple[str, dict[str, Any]]:
+    """Mixtral as llama.cpp writes it: a llama with `expert_count` experts per layer, of which each
+    token uses `expert_used_count`."""
+    c = ckpt.config
+    arch, meta = llama_metadata(ckpt)
+    meta[f"{arch}.expert_count"] = int(c["num_local_experts"])
+    meta[f"{arch}.expert_used_count"] = int(c["num_experts_per_tok"])
+    return arch, meta
+
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+
+
+def mixtral_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
+    """llama's tensors, each layer's experts stacked as llama.cpp stores them: w1 (gate), w3 (up) and w2
+    (down) of every expert into ffn_gate_exps, ffn_up_exps and ffn_down_exps [n_expert, rows, cols]."""
+    n_expert = ckpt.config["num_local_experts"]
+
+    def stacked() -> Iterator[tuple[str, torch.Tensor]]:
+        pending: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # a layer's experts of one kind, until all came
+        for hf_name, tensor in ckpt.tensors():
+            found = _EXPERT.fullmatch(hf_name)
+            if found is None:
+                yield hf_name, tensor
+                continue
+            layer, expert, kind = found.groups()
+            parts = pending.setdefault((layer, kind), {})
+            parts[int(expert)] = tensor
+            if len(parts) == n_expert:
+                del pending[(layer, kind)]
+                stack = torch.stack([parts[e] for e in range(n_expert)])
+                yield f"model.layers.{layer}.block_sparse_moe.experts.{kind}.weight", stack
+        if pending:
+            raise ModelFileError(f"{ckpt.folder}: experts missing in layer {', '.join(sorted({k[0] for k in pending}))}")
+
+    yield from llama_tensors(ckpt, source=stacked())
 
 
 # Falcon's `activation` -> ours. llama.cpp computes GELU with the tanh approximation; so do we.
@@ -362,6 +404,7 @@ def opt_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": (llama_metadata, llama_tensors),
     "MistralForCausalLM": (llama_metadata, llama_tensors),
+    "MixtralForCausalLM": (mixtral_metadata, mixtral_tensors),
     "Qwen2ForCausalLM": (partial(llama_metadata, arch="qwen2"), partial(llama_tensors, arch=MODEL_ARCH.QWEN2)),
     "Qwen3ForCausalLM": (partial(llama_metadata, arch="qwen3"), partial(llama_tensors, arch=MODEL_ARCH.QWEN3)),
     "Gemma3ForCausalLM": (gemma3_metadata, gemma3_tensors),

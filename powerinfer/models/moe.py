@@ -17,18 +17,21 @@ from powerinfer.config import ModelConfig
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.ffn import DenseFFN, FFNOptions, FFNTensors, SparseFFN, build_ffn
 from powerinfer.models.layers import projection_builder
-from powerinfer.ops.linear import Linear
+from powerinfer.ops.linear import CPU, Linear
 
 Expert = DenseFFN | SparseFFN
 Run = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]  # (expert, h rows, residual rows) -> output rows
 
 
 class MoEFFN:
-    """A layer's experts behind a router (Linear n_embd -> n_expert). `first_unit`: the FFN unit
-    number of expert 0 (the others follow)."""
+    """A layer's experts behind a router (Linear n_embd -> n_expert) on `device`, where it computes
+    whatever device its input comes from (the block's, when placement moved the block and split
+    the experts) and returns its result to. `first_unit`: the FFN unit number of expert 0 (the
+    others follow)."""
 
-    def __init__(self, router: Linear, experts: list[Expert], n_used: int, first_unit: int):
+    def __init__(self, router: Linear, experts: list[Expert], n_used: int, first_unit: int, device: torch.device = CPU):
         self.router, self.experts, self.n_used, self.first_unit = router, experts, n_used, first_unit
+        self.device = device
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts) [rows, n_used]: each row's chosen experts and their mixing weights."""
@@ -36,7 +39,9 @@ class MoEFFN:
         return torch.softmax(top, dim=-1), chosen
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self._mix(h, h if residual is None else residual, lambda e, x, r: self.experts[e](x, r))
+        residual = h if residual is None else residual
+        y = self._mix(h.to(self.device), residual.to(self.device), lambda e, x, r: self.experts[e](x, r))
+        return y.to(h.device)
 
     def observed(self, h: torch.Tensor, residual: torch.Tensor, observer, unit: int) -> torch.Tensor:
         """The output, each expert's activations on its own rows shown to observer(expert's unit,
@@ -70,11 +75,11 @@ class MoEFFN:
 
     def with_experts(self, experts: list) -> MoEFFN:
         """The same router over other experts (placement's hybrid or dense forms of them)."""
-        return MoEFFN(self.router, experts, self.n_used, self.first_unit)
+        return MoEFFN(self.router, experts, self.n_used, self.first_unit, self.device)
 
     def to(self, device: torch.device) -> MoEFFN:
         """The router and the (dense) experts on `device`."""
-        return MoEFFN(self.router.to(device), [e.to(device) for e in self.experts], self.n_used, self.first_unit)
+        return MoEFFN(self.router.to(device), [e.to(device) for e in self.experts], self.n_used, self.first_unit, device)
 
     @property
     def nbytes(self) -> int:
