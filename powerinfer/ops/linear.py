@@ -18,6 +18,7 @@ Weights placed on an accelerator go to torch's int4 GPU kernel (`_weight_int4pac
 
 from __future__ import annotations
 
+import functools
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -306,7 +307,7 @@ class ConcatLinear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         outputs = [part(x) for part in self.parts]
-        dtype = torch.promote_types(*(o.dtype for o in outputs)) if len({o.dtype for o in outputs}) > 1 else outputs[0].dtype
+        dtype = functools.reduce(torch.promote_types, (o.dtype for o in outputs))  # any number of parts
         return torch.cat([o.to(dtype) for o in outputs], dim=-1)
 
     @property
