@@ -52,6 +52,22 @@ def machine_description() -> str:
             f"start; Python {platform.python_version()}, torch {torch.__version__}")
 
 
+def memory_bandwidth(seconds: float = 1.0) -> float:
+    """Read bandwidth (GB/s): summing a 512 MiB float32 array, median of repeats."""
+    import statistics
+    import time
+
+    import torch
+
+    data = torch.ones(128 << 20, dtype=torch.float32)
+    times, started = [], time.perf_counter()
+    while time.perf_counter() - started < seconds or len(times) < 3:
+        t = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - t)
+    return data.nbytes / statistics.median(times) / 1e9
+
+
 def ensure_llama_cpp() -> None:
     """Install llama-cpp-python (built from source, AMX off) unless it is already there."""
     try:

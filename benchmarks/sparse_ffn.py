@@ -24,6 +24,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
+from common import memory_bandwidth
 from powerinfer.config import FFNActivation
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
@@ -32,17 +33,6 @@ from powerinfer.ops.neuron import NeuronStore, sparse_ffn
 
 D_MODEL, N_FF = 4096, 11008
 OUT = Path(__file__).parent / "results" / "sparse_ffn.md"
-
-
-def memory_bandwidth(seconds: float = 1.0) -> float:
-    """Read bandwidth (GB/s): summing a 512 MiB float32 array, median of repeats."""
-    data = torch.ones(128 << 20, dtype=torch.float32)
-    times, started = [], time.perf_counter()
-    while time.perf_counter() - started < seconds or len(times) < 3:
-        t = time.perf_counter()
-        data.sum()
-        times.append(time.perf_counter() - t)
-    return data.nbytes / statistics.median(times) / 1e9
 
 
 def quantized(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:

@@ -46,16 +46,19 @@ def smollm2_reference(default_model):
     return tokenizer, model
 
 
-def make_tiny_llama(folder: Path, hidden_act: str, seed: int = 0, tokenizer_from: Path | None = None):
-    """A random llama-shaped checkpoint saved with transformers (and a tokenizer, if given)."""
+def make_tiny_llama(folder: Path, hidden_act: str, seed: int = 0, tokenizer_from: Path | None = None,
+                    overrides: dict | None = None):
+    """A random llama-shaped checkpoint saved with transformers (and a tokenizer, if given);
+    `overrides` replace config values."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, hidden_act=hidden_act, max_position_embeddings=512, rope_theta=10000.0,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.15,
-    )
+    config = LlamaConfig(**{
+        **dict(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, hidden_act=hidden_act, max_position_embeddings=512, rope_theta=10000.0,
+               rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.15),
+        **(overrides or {}),
+    })
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(folder)
     if tokenizer_from is not None:
@@ -113,3 +116,36 @@ def tiny_relu(tmp_path_factory, default_model) -> Callable[[str], Path]:
         return path
 
     return fresh_copy
+
+
+def _instruction_sets() -> list[str]:
+    from powerinfer.ops import native
+
+    return native.instruction_sets() if native.load() is not None else []
+
+
+@pytest.fixture(params=_instruction_sets())
+def isa(request):
+    """Each instruction set this CPU runs the native kernels with (the test runs once per set)."""
+    from powerinfer.ops import native
+
+    with native.instruction_set(request.param):
+        yield request.param
+
+
+def quantized_rows(ggml_type, rows: int, cols: int, seed: int):
+    """GGUFTensor [rows, cols] of a block type: quantized by gguf.quants where it can (the 32-weight
+    types), else random blocks (gguf cannot quantize to K-quants; random integer fields are all a
+    kernel check against gguf.quants.dequantize needs)."""
+    import numpy as np
+    from gguf import quants
+
+    from powerinfer.gguf.reader import GGUFTensor
+    from powerinfer.ops.quant import random_blocks
+
+    rng = np.random.default_rng(seed)
+    try:
+        raw = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), ggml_type)
+    except NotImplementedError:
+        raw = random_blocks(ggml_type, rows, cols, rng)
+    return GGUFTensor("w", ggml_type, (rows, cols), raw)

@@ -1,4 +1,5 @@
-"""The native decode attention (attention.cpp) against torch's RoPE and scaled_dot_product_attention."""
+"""The native decode attention (attention.cpp), on each instruction set, against torch's RoPE and
+scaled_dot_product_attention."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from powerinfer.models.layers import RotaryEmbedding
 from powerinfer.ops import native
 
 N_HEAD, N_KV, N_CTX, SLOTS = 6, 2, 700, 3
-HEAD_DIMS = [64, 16, 24]  # 16 * chunks in vector registers; 24 takes the plain loops
+HEAD_DIMS = [64, 16, 24, 20]  # in vector registers (AVX-512: multiples of 16, AVX2: of 8), else plain loops
 ROWS = [(2, 5), (0, 0), (1, 650), (2, 17)]  # (slot, position): two rows share slot 2's cache
 
 ops = native.load()
@@ -32,7 +33,7 @@ def run(qkv, keys, values, rotations, rows) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_equals_torch_reference(head_dim):
+def test_equals_torch_reference(head_dim, isa):
     qkv, keys, values, rotations = inputs(0, head_dim)
     ref_keys, ref_values = keys.clone(), values.clone()
     got = run(qkv, keys, values, rotations, list(range(len(ROWS))))
@@ -50,7 +51,7 @@ def test_equals_torch_reference(head_dim):
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_each_row_gets_its_single_row_result_exactly(head_dim):
+def test_each_row_gets_its_single_row_result_exactly(head_dim, isa):
     """Rows alone or together, serial or spread over threads: the same bits."""
     qkv, keys, values, rotations = inputs(1, head_dim)
     together = run(qkv, keys.clone(), values.clone(), rotations, [1, 2, 3])

@@ -1,10 +1,12 @@
-"""Neuron-aware sparse operators: native kernels against their plain-torch references and exact math."""
+"""Neuron-aware sparse operators: native kernels (each instruction set) against their plain-torch
+references, gguf.quants' dequantization and exact math."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from conftest import quantized_rows
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 from hypothesis import given, settings
@@ -12,22 +14,22 @@ from hypothesis import strategies as st
 
 from powerinfer.config import FFNActivation
 from powerinfer.gguf.reader import GGUFTensor
-from powerinfer.ops.activation import activate
 from powerinfer.ops import native
 from powerinfer.ops import neuron as N
+from powerinfer.ops.activation import activate
 
-TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.F32, T.F16, T.Q5_1]
+BLOCK_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+TYPES = [*BLOCK_TYPES, T.F32, T.F16]
+K_QUANTS = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
 
 
 def tensor(rng, rows, cols, ggml_type) -> tuple[GGUFTensor, torch.Tensor]:
+    if ggml_type in BLOCK_TYPES:
+        t = quantized_rows(ggml_type, rows, cols, int(rng.integers(2**16)))
+        return t, torch.from_numpy(quants.dequantize(t.data, ggml_type).astype(np.float32))
     w = rng.standard_normal((rows, cols)).astype(np.float32)
-    if ggml_type == T.F32:
-        raw = w
-    elif ggml_type == T.F16:
-        raw = w.astype(np.float16)
-    else:
-        raw = quants.quantize(w, ggml_type)
-    return GGUFTensor("w", ggml_type, (rows, cols), raw), torch.from_numpy(quants.dequantize(raw, ggml_type).astype(np.float32))
+    raw = w if ggml_type == T.F32 else w.astype(np.float16)
+    return GGUFTensor("w", ggml_type, (rows, cols), raw), torch.from_numpy(raw.astype(np.float32))
 
 
 def store(seed, ggml_type, n_ff, d_in, d_out, gated=True):
@@ -38,47 +40,77 @@ def store(seed, ggml_type, n_ff, d_in, d_out, gated=True):
 
 @pytest.mark.parametrize("ggml_type", TYPES)
 def test_records_hold_the_exact_weights(ggml_type):
-    s, (gw, uw, dw) = store(0, ggml_type, 70, 96, 64)
-    expected_down = dw if ggml_type != T.Q5_1 else torch.from_numpy(  # re-encoded as Q8_0
-        quants.dequantize(quants.quantize(dw.numpy(), T.Q8_0), T.Q8_0))
-    assert torch.equal(s.weights(s.gate), gw) if ggml_type != T.Q5_1 else s.gate.bits == 8
-    assert torch.equal(s.weights(s.down), expected_down)
+    s, (gw, uw, dw) = store(0, ggml_type, 70, 256, 512)
+    assert torch.equal(s.weights(s.gate), gw) and torch.equal(s.weights(s.down), dw)
     assert s.records.shape == (70, s.record_bytes) and s.record_bytes % 64 == 0
+    row_bytes = [N.record_row_bytes(ggml_type, n) for n in (256, 256, 512)]
+    assert s.record_bytes == -(-sum(row_bytes) // 64) * 64  # K-quants as compact as in the file
 
 
 needs_native = pytest.mark.skipif(native.load() is None, reason="native operators could not be built here")
 
 
+def operator_case(ggml_type, blocks, n_ff, tokens, seed, data):
+    block = 256 if ggml_type in K_QUANTS else 32
+    s, _ = store(seed, ggml_type, n_ff, block * blocks, block * max(1, blocks // 2))
+    idx = torch.tensor(sorted(data.draw(st.sets(st.integers(0, n_ff - 1), min_size=1))), dtype=torch.int64)
+    x = torch.randn(tokens, block * blocks, generator=torch.Generator().manual_seed(seed))
+    a = torch.randn(tokens, len(idx), generator=torch.Generator().manual_seed(seed + 1))
+    return s, idx, x, a
+
+
 @needs_native
 @settings(max_examples=40, deadline=None)
-@given(ggml_type=st.sampled_from([T.Q4_0, T.Q4_1, T.Q8_0, T.F32]), blocks=st.integers(1, 20), n_ff=st.integers(1, 90),
+@given(ggml_type=st.sampled_from([*BLOCK_TYPES, T.F32]), blocks=st.integers(1, 9), n_ff=st.integers(1, 90),
        tokens=st.integers(1, 3), seed=st.integers(0, 1000), data=st.data())
 def test_native_operators_equal_references(ggml_type, blocks, n_ff, tokens, seed, data):
-    s, _ = store(seed, ggml_type, n_ff, 32 * blocks, 32 * max(1, blocks // 2))
-    idx = torch.tensor(sorted(data.draw(st.sets(st.integers(0, n_ff - 1), min_size=1))), dtype=torch.int64)
-    x = torch.randn(tokens, 32 * blocks, generator=torch.Generator().manual_seed(seed))
-    a = torch.randn(tokens, len(idx), generator=torch.Generator().manual_seed(seed + 1))
+    """On every instruction set: the kernels' arithmetic (x rounded to int8 per 32) to float32
+    rounding, with block counts that are not multiples of the kernels' 2, 4 or 16 blocks per step."""
+    s, idx, x, a = operator_case(ggml_type, blocks, n_ff, tokens, seed, data)
     ops = native.load()
-    y = ops.gather_matvec(s.records, s.up.as_list(), x, idx)
-    torch.testing.assert_close(y, N.gather_matvec_reference(s, s.up, x, idx), rtol=1e-4, atol=1e-4)
-    z = ops.accumulate_rows(s.records, s.down.as_list(), a, idx)
-    torch.testing.assert_close(z, N.accumulate_rows_reference(s, s.down, a, idx), rtol=1e-4, atol=1e-4)
+    matvec, accumulated = N.gather_matvec_reference(s, s.up, x, idx), N.accumulate_rows_reference(s, s.down, a, idx)
     # float32 rounding bounds: each dot is accurate to ~1e-6 of the sum of its |terms|, so an
     # activation to ~1e-6 of |gate terms| * |up terms|, and the output to that times max|w_down|
     # per row (the kernel adds a*d*q and a*m separately), whatever cancellation the result has.
     x_abs = x.abs()
-    terms = (x_abs @ s.weights(s.gate, idx).abs().T) * (x_abs @ s.weights(s.up, idx).abs().T)
+    up_terms = x_abs @ s.weights(s.up, idx).abs().T
+    terms = (x_abs @ s.weights(s.gate, idx).abs().T) * up_terms
     down = s.weights(s.down, idx).abs()
     bound = 1e-5 * (terms @ down.amax(1, keepdim=True).expand_as(down)) + 1e-5
-    for activation in (FFNActivation.SILU_GATED, FFNActivation.RELU_GATED, FFNActivation.DRELU):
-        f = N.sparse_ffn(s, activation, x, idx)
-        assert torch.all((f - N.sparse_ffn_reference(s, activation, x, idx)).abs() <= bound)
+    references = {activation: N.sparse_ffn_reference(s, activation, x, idx)
+                  for activation in (FFNActivation.SILU_GATED, FFNActivation.RELU_GATED, FFNActivation.DRELU)}
+    for isa in native.instruction_sets():
+        with native.instruction_set(isa):
+            y = ops.gather_matvec(s.records, s.up.as_list(), x, idx)
+            assert torch.all((y - matvec).abs() <= 1e-5 * up_terms + 1e-5), isa
+            z = ops.accumulate_rows(s.records, s.down.as_list(), a, idx)
+            assert torch.all((z - accumulated).abs() <= 1e-5 * (a.abs() @ down) + 1e-5), isa
+            for activation, reference in references.items():
+                assert torch.all((N.sparse_ffn(s, activation, x, idx) - reference).abs() <= bound), (isa, activation)
 
-@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1, T.Q8_0, T.F32])
+
+@needs_native
+@settings(max_examples=20, deadline=None)
+@given(ggml_type=st.sampled_from(sorted(K_QUANTS | {T.Q5_0, T.Q5_1})), blocks=st.integers(1, 3), n_ff=st.integers(1, 40),
+       seed=st.integers(0, 1000), data=st.data())
+def test_block_type_records_equal_dequantized_float_products(ggml_type, blocks, n_ff, seed, data):
+    """Against gguf.quants' dequantization times a float64 matmul: the only difference is x rounded
+    to int8 per 32 inputs, at most half a step (scale / 2) per input."""
+    s, idx, x, a = operator_case(ggml_type, blocks, n_ff, 2, seed, data)
+    w_up, w_down = s.weights(s.up, idx).double(), s.weights(s.down, idx).double()
+    half_step = (x.abs().view(2, -1, 32).amax(-1) / 127 / 2).repeat_interleave(32, dim=1).double()
+    for isa in native.instruction_sets():
+        with native.instruction_set(isa):
+            y = N.gather_matvec(s, s.up, x, idx).double()
+            z = N.accumulate_rows(s, s.down, a, idx).double()
+        assert torch.all((y - x.double() @ w_up.T).abs() <= half_step @ w_up.abs().T * 1.01 + 1e-4), isa
+        assert torch.all((z - a.double() @ w_down).abs() <= 1e-5 * (a.double().abs() @ w_down.abs()) + 1e-5), isa
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K, T.F32])
 def test_sparse_ffn_over_all_neurons_equals_dense_ffn(ggml_type):
     """The operator's only approximation is rounding x to 8 bits per block of 32 (as llama.cpp)."""
-    s, (gw, uw, dw) = store(3, ggml_type, 120, 128, 96)
-    x = torch.randn(2, 128)
+    s, (gw, uw, dw) = store(3, ggml_type, 120, 256, 256)
+    x = torch.randn(2, 256)
     dense = activate(torch.cat([x @ gw.T, x @ uw.T], -1), FFNActivation.SILU_GATED) @ dw
     sparse = N.sparse_ffn(s, FFNActivation.SILU_GATED, x, torch.arange(120))
     scale = (activate(torch.cat([x @ gw.T, x @ uw.T], -1), FFNActivation.SILU_GATED).abs() @ dw.abs()).max()

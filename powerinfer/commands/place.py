@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from powerinfer.commands.common import model_path
 from powerinfer.models import read_config
 from powerinfer.gguf.reader import open_gguf
 from powerinfer.llm import DEFAULT_N_CTX
@@ -17,10 +17,11 @@ from powerinfer.placement.solver import plan_from_counts
 
 
 def main(args: argparse.Namespace) -> int:
-    gguf = open_gguf(args.model)
+    model = model_path(args)
+    gguf = open_gguf(model)
     output = None
     if args.write_index is not None:
-        output = check_output_file(args.write_index or index_path(args.model), args.force)
+        output = check_output_file(args.write_index or index_path(model), args.force)
     config = read_config(gguf)
     n_ctx = args.ctx_size or min(DEFAULT_N_CTX, config.n_ctx_train)
     shape = model_shape(gguf, config, "cuda")
@@ -29,7 +30,7 @@ def main(args: argparse.Namespace) -> int:
     parts = dense_parts(gguf, config, n_ctx)
     budget = int(args.vram_budget * GiB)
     dense = place_dense(parts, budget)
-    statistics = load_statistics(Path(args.model), shape, args.activations, stderr_note)
+    statistics = load_statistics(model, shape, args.activations, stderr_note)
     plan = plan_from_counts(statistics.counts, statistics.tokens, shape, budget - dense.bytes_used, speeds,
                             args.group_size)
     print(plan_table(plan, statistics, shape))

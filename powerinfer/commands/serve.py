@@ -54,15 +54,14 @@ def main(args: argparse.Namespace) -> int:
         from powerinfer.server.app import create_app
     except ImportError as error:
         raise PowerInferError(f"the server needs the 'serve' extra (pip install 'powerinfer[serve]'): {error}") from None
-    from powerinfer.commands.run import load_llm
+    from powerinfer.commands.common import load_llm, model_path
     from powerinfer.gguf.reader import open_gguf
-    from powerinfer.hub import resolve_model
     from powerinfer.models import read_config
 
     # A missing, foreign or unsupported file is refused before the server starts; rarer load
     # failures stop the server once it runs (it answers 503 on /health while loading).
     keys, hosts = api_keys(args), allowed_hosts(args)
-    read_config(open_gguf(resolve_model(args.model)))
+    read_config(open_gguf(model_path(args)))
     sock = listen(args.host, args.port)
     failures: list[Exception] = []
 

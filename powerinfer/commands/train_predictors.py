@@ -6,8 +6,7 @@ import argparse
 import sys
 from statistics import mean
 
-from powerinfer.commands.profile import read_text
-from powerinfer.commands.run import load_llm
+from powerinfer.commands.common import calibration_target, load_llm, read_text
 from powerinfer.outputs import check_output_dir
 from powerinfer.sparsity.predictors import PREDICTOR_FILES, LayerReport, TrainingOptions, save_predictors, train_predictors
 from powerinfer.sparsity.profiler import calibration_chunks, firing_thresholds
@@ -23,6 +22,7 @@ def main(args: argparse.Namespace) -> int:
     text = read_text(args.file)
     args.ctx_size, args.dtype = args.chunk, "auto"
     llm = load_llm(args)
+    calibration_target(args, llm)
     ids = llm.tokenize(text, add_bos=False)
     chunks = calibration_chunks(ids, args.tokens, args.chunk)
     thresholds, _ = firing_thresholds(llm.model, chunks, args.target_sparsity, args.target_error)

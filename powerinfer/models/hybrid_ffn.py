@@ -22,7 +22,7 @@ import torch
 from powerinfer.models.ffn import MAX_SPARSE_ROWS, SparseFFN, union
 from powerinfer.ops.activation import activate
 from powerinfer.ops.linear import CPU, ConcatLinear, DenseLinear, Linear, pack_int4, q8_as_nibbles
-from powerinfer.ops.neuron import (NeuronStore, Section, accumulate_rows, dequantize_records, gather_matvec,
+from powerinfer.ops.neuron import (RAW, NeuronStore, Section, accumulate_rows, dequantize_records, gather_matvec,
                                    matvec_records, q4_section, q8_section, sparse_ffn)
 
 CHUNK_NEURONS = 4096  # records dequantized at a time (bounds temporaries)
@@ -94,6 +94,8 @@ def _section_projection(records: torch.Tensor, sections: list[Section], device: 
         return ConcatLinear([_section_projection(records, [s], device) for s in sections])
     if bits == {32}:
         return DenseLinear(torch.cat([dequantize_records(records, s) for s in sections]).to(device))
+    if bits == {RAW}:  # block types torch's int4 kernel cannot hold exactly: bfloat16 (docs/hybrid.md)
+        return DenseLinear(torch.cat([dequantize_records(records, s) for s in sections]).to(device, torch.bfloat16))
     return pack_int4([_SectionRows(records, s) for s in sections], _SectionRows.int4,
                      input_repeats=2 if bits == {8} else 1, device=device)
 

@@ -20,9 +20,6 @@ from powerinfer.ops import native
 from powerinfer.ops.linear import Int4Linear, Linear, QuantLinear, float_vector
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
 
-NATIVE_ACTIVATIONS = {FFNActivation.RELU_GATED: 0, FFNActivation.SILU_GATED: 1, FFNActivation.GELU_GATED: 2,
-                      FFNActivation.DRELU: 3, FFNActivation.RELU: 4, FFNActivation.GELU: 5}
-
 
 class LlamaBlock(Block):
     """A pre-norm block with RMSNorms and RoPE, and the native single-token step where it applies
@@ -103,14 +100,14 @@ class LlamaBlock(Block):
             self.attn_norm.scaled_weight, self.attn_norm.eps_term, project(a.qkv), project(a.output),
             a.n_head, a.n_head_kv, self.ffn_norm.scaled_weight, self.ffn_norm.eps_term,
             project(self.ffn.up) if dense else None, project(self.ffn.down) if dense else None,
-            NATIVE_ACTIVATIONS[self.ffn.activation] if dense else -1,  # -1: no dense FFN in the step
+            native.activation(self.ffn.activation),
         )
 
 
 def _native_projection(ops, linear: Linear):
     """The C++ step's handle on a quantized linear layer (same kernel as its Python call)."""
     if isinstance(linear, QuantLinear):
-        return ops.QuantProjection(linear.weight, linear.scales, linear.out_features)
+        return linear.projection
     return ops.Int4Projection(linear.packed, linear.scale_zero, linear.out_features, linear.input_repeats)
 
 

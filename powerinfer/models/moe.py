@@ -32,6 +32,7 @@ class MoEFFN:
     def __init__(self, router: Linear, experts: list[Expert], n_used: int, first_unit: int, device: torch.device = CPU):
         self.router, self.experts, self.n_used, self.first_unit = router, experts, n_used, first_unit
         self.device = device
+        self.activation = experts[0].activation
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts) [rows, n_used]: each row's chosen experts and their mixing weights."""

@@ -1,16 +1,19 @@
 """Linear layers over GGUF weights, kept compact.
 
-Q4_0, Q4_1 and Q8_0 run on our native kernel where it is built (`QuantLinear`, AVX-512 with
-bfloat16 dot products): the quantized integers are exact in bfloat16, so each instruction does 32
-exact products of bfloat16 activations and weights, summed in float32 and scaled per block of 32 by
-the file's own float16 scales. It runs at the memory-bandwidth roofline for one row and, unlike
-torch's int4 kernel, is not bound by float32 multiply-adds when several rows share a call.
+Every GGML block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K ... Q6_K) runs on our native kernel
+(`QuantLinear`; powerinfer/ops/csrc/quant_matmul.h describes its layout and arithmetic): the weights
+stay in their blocks, repacked 16 outputs at a time at about the file's size, and the quantized
+integers are exact in bfloat16, so on AVX-512 each instruction does 32 exact products of bfloat16
+activations and weights, summed in float32 and scaled per (sub-)block by the file's own scales. An
+AVX2 path computes the same sums with float32 multiply-adds (measured faster than torch's int4
+kernel restricted to AVX2), a plain C++ path anywhere else (there Q4_0, Q4_1 and Q8_0 go to
+torch's int4 kernel, which is faster than plain C++).
 
-Elsewhere Q4_0 and Q4_1 map exactly onto torch's int4 CPU kernel (`Int4Linear`,
+Without the native module, Q4_0 and Q4_1 map exactly onto torch's int4 CPU kernel (`Int4Linear`,
 `_weight_int4pack_mm_for_cpu`: 4-bit values, one bfloat16 scale and offset per 32 inputs, bfloat16
 activations and outputs); Q8_0 maps onto it too, each int8 value split into a high and a low nibble
-(q = 16*hi + lo), two int4 matrices side by side that read the input twice. Float weights use
-torch's dense kernels.
+(q = 16*hi + lo), two int4 matrices side by side that read the input twice; the other block types
+are expanded to bfloat16. Float weights use torch's dense kernels.
 
 Weights placed on an accelerator go to torch's int4 GPU kernel (`_weight_int4pack_mm`,
 "tinygemm"), which takes the same values, scales and offsets in its own packed layout.
@@ -18,21 +21,19 @@ Weights placed on an accelerator go to torch's int4 GPU kernel (`_weight_int4pac
 
 from __future__ import annotations
 
-import functools
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from functools import cache
+from functools import cache, reduce
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
 from powerinfer.ops.quant import (
-    EXPANDED_TYPES,
+    BLOCK_TYPES,
     FLOAT_TYPES,
     QK,
     T,
@@ -213,85 +214,34 @@ def pack_int4(tensors: Sequence[GGUFTensor], nibble_rows: NibbleRows, input_repe
     return Int4Linear(packed, scale_zero, n_rows, input_repeats)
 
 
-QUANT_COLS = 16  # outputs per block in QuantLinear's layout
-
-
-@cache
 def quant_kernel():
-    """Our native module when it has the bfloat16 dot-product kernel (else None)."""
-    ops = native.load()
-    return ops if ops is not None and ops.quant_matmul_available() else None
+    """Our native module (its QuantProjection runs every block type), or None without it."""
+    return native.load()
 
 
 class QuantLinear(Linear):
-    """Q4_0, Q4_1 or Q8_0 weights on our native kernel (powerinfer/ops/csrc/quant_matmul.cpp, which
-    describes the layout): activations rounded to bfloat16, float16 scales as in the file, float32
-    sums and outputs. Each row's result depends on that row only. Build with `pack_quant`."""
+    """GGML block-type weights on our native kernel (powerinfer/ops/csrc/quant_matmul.h describes the
+    layout and arithmetic): activations rounded to bfloat16, the file's scales, float32 sums and
+    outputs. Each row's result depends on that row only. Build with `pack_quant`."""
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, out_features: int):
-        self.weight, self.scales, self.out_features = weight, scales, out_features
-        self.in_features = weight.shape[1] * 2
-        self.bits = 8 if weight.shape[2] == 2 * QUANT_COLS else 4
+    def __init__(self, projection):
+        self.projection = projection  # ops.QuantProjection, also what the C++ decode step calls
+        self.in_features, self.out_features = projection.in_features, projection.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_kernel().quant_matmul(x, self.weight, self.scales, self.out_features)
+        return self.projection(x)
 
     @property
     def nbytes(self) -> int:
-        return self.weight.nbytes + self.scales.nbytes
-
-    def dequantized(self) -> torch.Tensor:
-        """The weight as float32 [out_features, in_features], in plain torch: the kernel's reference."""
-        blocks, pairs = self.weight.shape[:2]
-        if self.bits == 8:
-            values = self.weight.view(torch.int8).view(blocks, pairs, QUANT_COLS, 2)
-        else:
-            values = torch.stack([self.weight & 0x0F, self.weight >> 4], dim=-1)
-        values = values.permute(0, 2, 1, 3).reshape(blocks * QUANT_COLS, 2 * pairs).float()
-        per_input = self.scales.permute(0, 3, 2, 1).float().repeat_interleave(QK, dim=-1)  # [blocks, 16, parts, K]
-        per_input = per_input.reshape(blocks * QUANT_COLS, -1, 2 * pairs)
-        weight = values * per_input[:, 0] + (per_input[:, 1] if self.bits == 4 else 0.0)
-        return weight[: self.out_features]
-
-
-def _q8_values(tensor: GGUFTensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return split_q8_blocks(mapped_tensor(tensor.rows_as_bytes()[start:end]))
-
-
-def _quant_block(tensors: Sequence[GGUFTensor], start: int, end: int, eight_bit: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows start..end (a multiple of 16 apart; past the last row: zeros) in QuantLinear's layout."""
-    n_rows = sum(t.shape[0] for t in tensors)
-    if eight_bit:
-        values, scale = _stacked_rows(tensors, _q8_values, start, min(end, n_rows))
-        parts, pad = [scale], end - start - values.shape[0]
-        values = F.pad(values, (0, 0, 0, pad))
-        weight = values.view(-1, QUANT_COLS, values.shape[1] // 2, 2).transpose(1, 2).reshape(-1, values.shape[1] // 2, 2 * QUANT_COLS)
-        weight = weight.view(torch.uint8)
-    else:
-        nibbles, scale, offset = _stacked_rows(tensors, _q4_rows, start, min(end, n_rows))
-        parts, pad = [scale, offset], end - start - nibbles.shape[0]
-        paired = F.pad(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), (0, 0, 0, pad))  # inputs 2p (low), 2p+1 (high)
-        weight = paired.view(-1, QUANT_COLS, paired.shape[1]).transpose(1, 2)
-    scales = F.pad(torch.stack(parts, dim=1), (0, 0, 0, 0, 0, pad)).half()  # [rows, parts, K/32]
-    if not torch.isfinite(scales).all():  # Q4_0's offset -8 * scale can overflow float16
-        raise UnsupportedModelError(f"{tensors[0].name}: block scale too large for float16 offsets")
-    scales = scales.view(-1, QUANT_COLS, len(parts), scales.shape[-1]).permute(0, 3, 2, 1)
-    return weight, scales
+        return sum(chunks.nbytes for chunks in self.projection.chunks)
 
 
 def pack_quant(tensors: Sequence[GGUFTensor]) -> QuantLinear:
-    """Repack the rows of 4-bit (Q4_0, Q4_1) or 8-bit (Q8_0) `tensors` (stacked) for QuantLinear,
-    a chunk of rows at a time."""
-    eight_bit = tensors[0].ggml_type == T.Q8_0
-    n_rows, n_cols = sum(t.shape[0] for t in tensors), tensors[0].shape[1]
-    padded_rows = n_rows + (-n_rows % QUANT_COLS)
-    weight = torch.empty(padded_rows // QUANT_COLS, n_cols // 2, QUANT_COLS * (2 if eight_bit else 1), dtype=torch.uint8)
-    scales = torch.empty(padded_rows // QUANT_COLS, n_cols // QK, 1 if eight_bit else 2, QUANT_COLS, dtype=torch.float16)
-    for start in range(0, padded_rows, PACK_CHUNK_ROWS):
-        end = min(start + PACK_CHUNK_ROWS, padded_rows)
-        weight[start // QUANT_COLS : end // QUANT_COLS], scales[start // QUANT_COLS : end // QUANT_COLS] = (
-            _quant_block(tensors, start, end, eight_bit))
-    return QuantLinear(weight, scales, n_rows)
+    """The rows of block-type `tensors` (stacked; types may differ, as in a Q4_K_M file's fused
+    projections) repacked for QuantLinear, one packed matrix per tensor."""
+    ops = quant_kernel()
+    packed = [ops.quant_repack(mapped_tensor(t.rows_as_bytes()), int(t.ggml_type)) for t in tensors]
+    return QuantLinear(ops.QuantProjection(packed, [int(t.ggml_type) for t in tensors], [t.shape[0] for t in tensors]))
 
 
 class ConcatLinear(Linear):
@@ -307,7 +257,7 @@ class ConcatLinear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         outputs = [part(x) for part in self.parts]
-        dtype = functools.reduce(torch.promote_types, (o.dtype for o in outputs))  # any number of parts
+        dtype = reduce(torch.promote_types, (o.dtype for o in outputs))  # any number of parts
         return torch.cat([o.to(dtype) for o in outputs], dim=-1)
 
     @property
@@ -376,12 +326,14 @@ def _build_linear(tensors: Sequence[GGUFTensor], float32: bool, device: torch.de
     if float32:
         return DenseLinear(torch.cat([dequantized(t) for t in tensors]).to(device))
     types = {t.ggml_type for t in tensors}
-    if device is None and (types <= {T.Q4_0, T.Q4_1} or types == {T.Q8_0}) and quant_kernel() is not None:
+    int4_exact = types <= {T.Q4_0, T.Q4_1} or types == {T.Q8_0}
+    ops = quant_kernel()
+    # On CPUs without AVX2 our kernel is plain C++, slower than torch's int4 kernel where that fits.
+    if device is None and types <= BLOCK_TYPES and ops is not None and not (int4_exact and ops.detected_isa() == "scalar"):
         return pack_quant(tensors)
-    if types <= {T.Q4_0, T.Q4_1}:
-        return pack_int4(tensors, _q4_rows, device=device)
-    if types == {T.Q8_0}:
-        return pack_int4(tensors, _q8_rows, input_repeats=2, device=device)
-    if len(types) == 1 and (types <= FLOAT_TYPES.keys() or types <= EXPANDED_TYPES):
+    if int4_exact:
+        return pack_int4(tensors, _q8_rows if types == {T.Q8_0} else _q4_rows, input_repeats=2 if types == {T.Q8_0} else 1,
+                         device=device)
+    if len(types) == 1 and (types <= FLOAT_TYPES.keys() or types <= BLOCK_TYPES):  # the latter expanded
         return DenseLinear(torch.cat([_dense_weight(t) for t in tensors]).to(device))
     return ConcatLinear([build_linear([t], device=device) for t in tensors])

@@ -1,36 +1,92 @@
-"""Our C++ operators, compiled on first use with `torch.utils.cpp_extension` and cached.
+"""Our C++ operators (powerinfer/ops/csrc), compiled when the package is installed (setup.py).
 
-They are built for the machine they run on (-march=native). If the build fails (no compiler,
-an unusual platform), `load()` returns None once, with a one-line warning, and callers use their
-plain-torch reference implementations instead.
+The compiled module only loads under the torch it was built against (torch's C++ ABI changes
+between releases), so the build records that version beside it and `load()` checks it before
+importing. When the module is missing or does not fit the running torch, `load()` prints one line
+that says how to rebuild it and returns None; callers then use their plain-torch reference
+implementations. Nothing is compiled at run time.
 """
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
-import warnings
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-SOURCES = Path(__file__).parent / "csrc"
+if TYPE_CHECKING:
+    from powerinfer.config import FFNActivation
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+MODULE = "powerinfer._native"  # the extension setup.py builds
+BUILD_INFO = "_native_build.json"  # written beside it: {"torch": version it was compiled against}
+REBUILD = "reinstall powerinfer with the torch you run: pip install --no-build-isolation --force-reinstall --no-deps <powerinfer source or sdist>"
+
+
+def _release(version: str) -> str:
+    """A torch version without its local tag ('2.13.0+cpu' -> '2.13.0'): builds of one release
+    for different accelerators share the CPU ABI."""
+    return version.split("+")[0]
+
+
+def _unavailable(reason: str) -> None:
+    print(f"powerinfer: warning: native operators unavailable ({reason}), running plain torch, much slower; {REBUILD}",
+          file=sys.stderr)
 
 
 @cache
 def load() -> ModuleType | None:
-    if os.environ.get("POWERINFER_NO_NATIVE"):
+    """The compiled operators, or None (after one line on stderr) where they cannot be used, or
+    where POWERINFER_NO_NATIVE is set (plain torch on purpose)."""
+    return None if os.environ.get("POWERINFER_NO_NATIVE") else import_compiled()
+
+
+def import_compiled() -> ModuleType | None:
+    """`load()` without its cache: the compiled module if it was built for the running torch."""
+    import torch
+
+    info = PACKAGE_DIR / BUILD_INFO
+    try:
+        built_with = json.loads(info.read_text())["torch"]
+    except (OSError, ValueError, KeyError):
+        _unavailable(f"{info.name} not found: the package was installed without its compiled module")
+        return None
+    if _release(built_with) != _release(torch.__version__):
+        _unavailable(f"built for torch {built_with}, running torch {torch.__version__}")
         return None
     try:
-        from torch.utils.cpp_extension import load as build
-
-        return build(
-            name="powerinfer_native",
-            sources=[str(SOURCES / name) for name in ("neuron_kernels.cpp", "decode_step.cpp", "quant_matmul.cpp", "attention.cpp")],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as error:  # noqa: BLE001 - any build failure means: use the torch fallback
+        return importlib.import_module(MODULE)
+    except ImportError as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        warnings.warn(f"powerinfer: native operators unavailable, using plain torch ({first_line})", stacklevel=2)
+        _unavailable(f"{MODULE} does not load: {first_line}")
         return None
+
+
+def activation(kind: FFNActivation):
+    """The native numbering of an FFN activation (csrc/common.h's enum, bound by name)."""
+    return load().Activation.__members__[kind.name]
+
+
+@contextmanager
+def instruction_set(name: str) -> Iterator[None]:
+    """Run the kernels of instruction set `name` (avx512, avx2 or scalar; at most what the CPU has)
+    inside the block: how tests check each path on one machine. POWERINFER_ISA sets it per process."""
+    ops = load()
+    previous = ops.isa()
+    ops.set_isa(name)
+    try:
+        yield
+    finally:
+        ops.set_isa(previous)
+
+
+def instruction_sets() -> list[str]:
+    """The instruction sets this CPU runs the kernels with, best first."""
+    order = ["avx512", "avx2", "scalar"]
+    return order[order.index(load().detected_isa()) :]

@@ -1,8 +1,9 @@
 """FFN weights stored per neuron, and the neuron-aware sparse operators over them.
 
 `NeuronStore` keeps one contiguous record per FFN neuron holding its gate row, up row and
-ffn_down_t row (the down projection's column), each in its GGUF block encoding: computing an
-active neuron then reads one stretch of memory, which is what makes skipping neurons pay on a CPU
+ffn_down_t row (the down projection's column), each in its GGUF block encoding (Q4_0, Q4_1 and
+Q8_0 with their scales split from their values; Q5_0, Q5_1 and the K-quants as the file's own
+blocks; floats as float32): computing an active neuron then reads one stretch of memory, which is what makes skipping neurons pay on a CPU
 (scattered rows are bound by memory latency, not bandwidth). The operators are C++ (ops/csrc);
 each has a plain-torch reference here that computes the same arithmetic, for tests and for
 machines where the native build is unavailable.
@@ -13,20 +14,25 @@ from __future__ import annotations
 import mmap
 from dataclasses import dataclass
 
-
+import numpy as np
 import torch
-from gguf import GGMLQuantizationType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from powerinfer.config import FFNActivation
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
 from powerinfer.ops.activation import activate
 from powerinfer.ops.linear import mapped_tensor
-from powerinfer.ops.quant import FLOAT_TYPES, QK, T, dequantize_rows
+from powerinfer.ops.quant import BLOCK_TYPES, FLOAT_TYPES, QK, T, dequantize_rows
 
 RECORD_ALIGN = 64  # records start on cache lines
-KERNEL_ACTIVATIONS = {FFNActivation.RELU_GATED: 0, FFNActivation.RELU: 0, FFNActivation.SILU_GATED: 1,
-                      FFNActivation.GELU_GATED: 2, FFNActivation.GELU: 2, FFNActivation.DRELU: 3}
+SPLIT_TYPES = {T.Q4_0: 4, T.Q4_1: 4, T.Q8_0: 8}  # kept as values + float16 scales (bits per value)
+RAW = 0  # Section.bits of rows kept as the file's blocks
+# Where the integers of a block type with a minimum lie (byte ranges within a block): a block with
+# them zeroed dequantizes to its minimum part (dmin * mn per sub-block), which the kernels multiply
+# by exact sums of x.
+_QUANT_BYTES = {T.Q5_1: (4, 24), T.Q2_K: (16, 80), T.Q4_K: (16, 144), T.Q5_K: (16, 176)}
+MIN_GROUP = 16  # the finest sub-block of any block type: minimum parts are constant over it
 
 
 @dataclass(frozen=True)
@@ -36,40 +42,52 @@ class Section:
     q_off: int
     d_off: int  # float16 block scales (bits 4 and 8)
     m_off: int  # float16 block offsets (bits 4 with offsets, as Q4_1), else -1
-    bits: int  # 4: Q4_0/Q4_1 values, 8: Q8_0 values, 32: float32
+    bits: int  # 4: Q4_0/Q4_1 values, 8: Q8_0 values, 32: float32, RAW: blocks of ggml_type
     n_values: int
+    ggml_type: int = -1  # RAW sections
 
     def as_list(self) -> list[int]:
-        return [self.q_off, self.d_off, self.m_off, self.bits, self.n_values, 0]
+        return [self.q_off, self.d_off, self.m_off, self.bits, self.n_values, self.ggml_type]
 
     @property
     def n_blocks(self) -> int:
         return self.n_values // QK
 
 
-def _encoded_rows(rows: GGUFTensor | torch.Tensor) -> tuple[int, list[torch.Tensor]]:
-    """(bits, [values, scales(, offsets)]) as uint8 [n, bytes] blocks of a row matrix.
+def record_row_bytes(ggml_type: T, n_values: int) -> int:
+    """Bytes of one row of `ggml_type` in a neuron record (`_encoded_rows`): block types as the
+    file's blocks (Q4_0, Q4_1 and Q8_0 split into the same bytes), floats as float32, any other type
+    re-encoded as Q8_0."""
+    block, size = GGML_QUANT_SIZES[_record_type(ggml_type)]
+    return n_values // block * size
 
-    Q4_0, Q4_1 and Q8_0 keep the file's values; float rows stay float32; other types are
-    re-encoded as Q8_0 (whose error is far below theirs).
-    """
+
+def _record_type(ggml_type: T) -> T:
+    return T.F32 if ggml_type in FLOAT_TYPES else ggml_type if ggml_type in BLOCK_TYPES else T.Q8_0
+
+
+def _encoded_rows(rows: GGUFTensor | torch.Tensor) -> tuple[int, list[torch.Tensor], int]:
+    """(bits, [values, scales(, offsets)], GGML type of RAW rows) as uint8 [n, bytes] parts of a row matrix."""
     if isinstance(rows, torch.Tensor) or rows.ggml_type in FLOAT_TYPES:
         values = rows.float() if isinstance(rows, torch.Tensor) else mapped_tensor(rows.data).reshape(rows.shape).float()
-        return 32, [values.contiguous().view(torch.uint8)]
+        return 32, [values.contiguous().view(torch.uint8)], -1
     raw = mapped_tensor(rows.rows_as_bytes())
     n = raw.shape[0]
-    if rows.ggml_type in (T.Q4_0, T.Q4_1):
-        header = 2 if rows.ggml_type == T.Q4_0 else 4
-        blocks = raw.reshape(n, -1, header + QK // 2)
-        parts = [blocks[..., header:].reshape(n, -1), blocks[..., 0:2].reshape(n, -1)]
-        if rows.ggml_type == T.Q4_1:
-            parts.append(blocks[..., 2:4].reshape(n, -1))
-        return 4, parts
-    if rows.ggml_type != T.Q8_0:
+    record_type = _record_type(rows.ggml_type)
+    if record_type != rows.ggml_type:
         floats = dequantize_rows(raw, rows.ggml_type, rows.shape[1]).numpy()
         raw = torch.from_numpy(quants.quantize(floats, GGMLQuantizationType.Q8_0))
-    blocks = raw.reshape(n, -1, 2 + QK)
-    return 8, [blocks[..., 2:].reshape(n, -1), blocks[..., 0:2].reshape(n, -1)]
+    if record_type not in SPLIT_TYPES:
+        return RAW, [raw], int(record_type)
+    if record_type == T.Q8_0:
+        blocks = raw.reshape(n, -1, 2 + QK)
+        return 8, [blocks[..., 2:].reshape(n, -1), blocks[..., 0:2].reshape(n, -1)], -1
+    header = 2 if record_type == T.Q4_0 else 4
+    blocks = raw.reshape(n, -1, header + QK // 2)
+    parts = [blocks[..., header:].reshape(n, -1), blocks[..., 0:2].reshape(n, -1)]
+    if record_type == T.Q4_1:
+        parts.append(blocks[..., 2:4].reshape(n, -1))
+    return 4, parts, -1
 
 
 def hugepage_buffer(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
@@ -97,13 +115,13 @@ class NeuronStore:
             if enc is None:
                 sections.append(None)
                 continue
-            bits, parts = enc
+            bits, parts, ggml_type = enc
             offsets = []
             for part in parts:
                 offsets.append(offset)
                 offset += part.shape[1]
             sections.append(Section(offsets[0], offsets[1] if len(offsets) > 1 else -1,
-                                    offsets[2] if len(offsets) > 2 else -1, bits, source.shape[1]))
+                                    offsets[2] if len(offsets) > 2 else -1, bits, source.shape[1], ggml_type))
         self.record_bytes = -(-offset // RECORD_ALIGN) * RECORD_ALIGN
         flat, self._region = hugepage_buffer(n_ff * self.record_bytes)
         self.records = flat.view(n_ff, self.record_bytes)
@@ -157,11 +175,24 @@ def q8_section(rows: torch.Tensor, section: Section) -> tuple[torch.Tensor, torc
     return values, _f16_section(rows, section.d_off, section.n_blocks)
 
 
+def _raw_blocks(rows: torch.Tensor, section: Section) -> np.ndarray:
+    """A RAW section of neuron records as the file's bytes, uint8 [n, bytes] (on the CPU)."""
+    block, size = GGML_QUANT_SIZES[T(section.ggml_type)]
+    return rows[:, section.q_off : section.q_off + section.n_values // block * size].cpu().numpy()
+
+
+def _dequantized_raw(raw: np.ndarray, section: Section, device: torch.device) -> torch.Tensor:
+    flat = quants.dequantize(raw, T(section.ggml_type)).astype(np.float32, copy=False)
+    return torch.from_numpy(flat).reshape(raw.shape[0], section.n_values).to(device)
+
+
 def dequantize_records(rows: torch.Tensor, section: Section) -> torch.Tensor:
     """Exact float32 weights of `section` from neuron records [n, record_bytes] on any device."""
     n = rows.shape[0]
     if section.bits == 32:
         return rows[:, section.q_off : section.q_off + 4 * section.n_values].contiguous().view(torch.float32)
+    if section.bits == RAW:
+        return _dequantized_raw(_raw_blocks(rows, section), section, rows.device)
     if section.bits == 8:
         q, d = q8_section(rows, section)
         return (q.float().view(n, -1, QK) * d[..., None]).view(n, -1)
@@ -169,16 +200,32 @@ def dequantize_records(rows: torch.Tensor, section: Section) -> torch.Tensor:
     return (nibbles.float().view(n, -1, QK) * d[..., None] + m[..., None]).view(n, -1)
 
 
+def offset_parts(rows: torch.Tensor, section: Section) -> torch.Tensor:
+    """The part of each weight the kernels multiply by an exact sum of x rather than by x rounded
+    to int8: a 4-bit block's offset, a block type's minimum (dmin * mn); constant over each group of
+    16 inputs, float32 [n, K / 16]."""
+    n = rows.shape[0]
+    if section.bits == 4:
+        return q4_section(rows, section)[2].repeat_interleave(QK // MIN_GROUP, dim=1)
+    if section.bits != RAW or T(section.ggml_type) not in _QUANT_BYTES:
+        return torch.zeros(n, section.n_values // MIN_GROUP, device=rows.device)
+    block, size = GGML_QUANT_SIZES[T(section.ggml_type)]
+    start, end = _QUANT_BYTES[T(section.ggml_type)]
+    raw = _raw_blocks(rows, section).reshape(n, -1, size).copy()
+    raw[..., start:end] = 0
+    return _dequantized_raw(raw.reshape(n, -1), section, rows.device)[:, ::MIN_GROUP]
+
+
 # ---------------------------------------------------------------- operators and their references
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (int8 values as float [M, K/32, 32], scales [M, K/32], exact block sums [M, K/32]),
-    the per-block int8 rounding the native dot products apply."""
+    """x [M, K] -> (int8 values as float [M, K/32, 32], scales [M, K/32], exact sums of each 16
+    inputs [M, K/16]), the per-block int8 rounding the native dot products apply."""
     blocks = x.float().view(x.shape[0], -1, QK)
     scale = blocks.abs().amax(-1) / 127.0
     inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = torch.round(blocks * inverse[..., None])
-    return q, scale, blocks.sum(-1)
+    return q, scale, x.float().view(x.shape[0], -1, MIN_GROUP).sum(-1)
 
 
 def gather_matvec_reference(store: NeuronStore, section: Section, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -187,19 +234,17 @@ def gather_matvec_reference(store: NeuronStore, section: Section, x: torch.Tenso
 
 def matvec_records(rows: torch.Tensor, section: Section, x: torch.Tensor) -> torch.Tensor:
     """y[m, j] = W_j . x[m] for neuron records [n, record_bytes] on any device, in the native
-    kernels' arithmetic (x rounded to int8 per block for 4/8-bit rows, exact block sums)."""
+    kernels' arithmetic (x rounded to int8 per block of 32 for quantized rows, exact sums of x for
+    offsets and minimums)."""
     w = dequantize_records(rows, section)
     if section.bits == 32:
         return x.float() @ w.T
     n = w.shape[0]
     q, scale, sums = quantize_activations(x)
-    if section.bits == 8:
-        m = torch.zeros(n, section.n_blocks, device=rows.device)
-    else:
-        m = q4_section(rows, section)[2]
-    scaled = (w.view(n, -1, QK) - m[..., None])  # d * q
+    offsets = offset_parts(rows, section)
+    scaled = (w.view(n, -1, MIN_GROUP) - offsets[..., None]).view(n, -1, QK)  # d sc (q - offset)
     dots = torch.einsum("nbk,mbk->mnb", scaled, q * scale[..., None])
-    return dots.sum(-1) + sums @ m.T
+    return dots.sum(-1) + sums @ offsets.T
 
 
 def accumulate_rows_reference(store: NeuronStore, section: Section, a: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -252,4 +297,4 @@ def sparse_ffn(store: NeuronStore, activation: FFNActivation, x: torch.Tensor, i
         return _sparse_ffn_steps(store, activation, x, idx, gather_matvec, accumulate_rows)
     gate = [] if store.gate is None else store.gate.as_list()
     return ops.sparse_ffn(store.records, gate, store.up.as_list(), store.down.as_list(),
-                          KERNEL_ACTIVATIONS[activation], x.float().contiguous(), idx.contiguous())
+                          native.activation(activation), x.float().contiguous(), idx.contiguous())

@@ -1,7 +1,8 @@
 """GGML block formats: which we keep compact, and dequantization in torch.
 
 Q4_0, Q4_1 and Q8_0 are dequantized here with torch ops (used for embedding rows and to repack
-weights); every other type goes through `gguf.quants`, the reference implementation.
+weights for torch's int4 kernel); every other type goes through `gguf.quants`, the reference
+implementation.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 T = GGMLQuantizationType
 
 FLOAT_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
-# Kept in their compact form and computed on directly.
-COMPACT_TYPES = frozenset({*FLOAT_TYPES, T.Q8_0, T.Q4_0, T.Q4_1})
-# Read, but expanded to bfloat16 at load (with a warning): no fast kernel for their layout.
-EXPANDED_TYPES = frozenset({T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.Q5_0, T.Q5_1})
-SUPPORTED_TYPES = COMPACT_TYPES | EXPANDED_TYPES
+# Kept in their blocks and computed on directly by the native kernels (the formats of
+# ops/csrc/ggml_blocks.h). Without them, INT4_TYPES map exactly onto torch's int4 kernel and the
+# others are expanded to bfloat16.
+BLOCK_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
+INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q8_0})
+SUPPORTED_TYPES = frozenset(FLOAT_TYPES) | BLOCK_TYPES
 
 QK = 32  # elements per block in Q4_0, Q4_1 and Q8_0
 
@@ -71,3 +73,20 @@ def dequantize_rows(raw: torch.Tensor, ggml_type: T, n_cols: int) -> torch.Tenso
 def row_bytes(ggml_type: T, n_cols: int) -> int:
     block, size = GGML_QUANT_SIZES[ggml_type]
     return n_cols // block * size
+
+
+# Byte offsets of the float16 fields in a block of each block type (ggml-common.h's layouts).
+_HALF_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q2_K: (80, 82),
+                T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def random_blocks(ggml_type: T, rows: int, cols: int, rng: np.random.Generator, scale: float = 0.01) -> np.ndarray:
+    """Rows of random blocks of a block type, uint8 [rows, bytes]: every bit pattern of the integer
+    fields, float16 scales ~ N(0, scale). What kernel checks against gguf.quants.dequantize and
+    speed measurements need; gguf cannot quantize to the K-quants."""
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset in _HALF_FIELDS[ggml_type]:
+        halves = (rng.standard_normal((rows, cols // block)) * scale).astype(np.float16)
+        raw[..., offset : offset + 2] = halves.view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)

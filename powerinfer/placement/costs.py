@@ -10,14 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from gguf import GGML_QUANT_SIZES
 
 from powerinfer.config import ModelConfig
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
 from powerinfer.models.ffn import FFNTensors
 from powerinfer.models.moe import ffn_unit_tensors
 from powerinfer.ops.linear import PACK_BLOCK_N
-from powerinfer.ops.neuron import RECORD_ALIGN
+from powerinfer.ops.neuron import RECORD_ALIGN, record_row_bytes
 from powerinfer.ops.quant import FLOAT_TYPES, QK, T
 
 GiB = 1 << 30
@@ -60,13 +59,6 @@ class ModelShape:
         return sum(n * b for n, b in zip(self.n_ff, self.neuron_bytes))
 
 
-def _row_bytes(ggml_type: T, n_values: int) -> int:
-    """Bytes of one row in the neuron store: Q4_0/Q4_1/Q8_0 as stored, floats as float32, any
-    other type re-encoded as Q8_0."""
-    block, size = GGML_QUANT_SIZES[_record_type(ggml_type)]
-    return n_values // block * size
-
-
 def _projection_row_bytes(ggml_type: T, n_values: int) -> int:
     """Bytes of one output row of a projection as `build_linear` holds it: the int4 kernels' layout
     (per 32 values 16 bytes of nibbles, a bfloat16 scale and offset) for Q4_0/Q4_1, twice that for
@@ -92,12 +84,12 @@ def linear_bytes(tensors: Sequence[GGUFTensor]) -> int:
 
 def neuron_record_bytes(ffn: FFNTensors) -> int:
     rows = [ffn.gate, ffn.up] if ffn.gate is not None else [ffn.up]
-    total = sum(_row_bytes(t.ggml_type, t.shape[1]) for t in rows)
+    total = sum(record_row_bytes(t.ggml_type, t.shape[1]) for t in rows)
     down = ffn.down
     if ffn.transposed:
-        total += _row_bytes(down.ggml_type, down.shape[1])
+        total += record_row_bytes(down.ggml_type, down.shape[1])
     else:  # ffn_down transposed: float32 for float files, else re-encoded as Q8_0 (`ffn.down_rows`)
-        total += _row_bytes(T.F32 if down.ggml_type in FLOAT_TYPES else T.Q8_0, down.shape[0])
+        total += record_row_bytes(T.F32 if down.ggml_type in FLOAT_TYPES else T.Q8_0, down.shape[0])
     return -(-total // RECORD_ALIGN) * RECORD_ALIGN
 
 
@@ -107,7 +99,8 @@ def neuron_kernel_bytes(ffn: FFNTensors) -> int:
     rows = [ffn.gate, ffn.up] if ffn.gate is not None else [ffn.up]
     float_down = ffn.down.ggml_type in FLOAT_TYPES
     n_embd = ffn.down.shape[1] if ffn.transposed else ffn.down.shape[0]
-    return sum(_projection_row_bytes(_record_type(t.ggml_type), t.shape[1]) for t in rows) + n_embd * (4 if float_down else 2)
+    as_held = lambda t: T.F32 if t.ggml_type in FLOAT_TYPES else t.ggml_type  # noqa: E731  (records hold floats as float32)
+    return sum(_projection_row_bytes(as_held(t), t.shape[1]) for t in rows) + n_embd * (4 if float_down else 2)
 
 
 def dense_ffn_bytes(ffn: FFNTensors) -> int:
@@ -116,13 +109,6 @@ def dense_ffn_bytes(ffn: FFNTensors) -> int:
     ffn_down_t: float32)."""
     up = linear_bytes([ffn.gate, ffn.up] if ffn.gate is not None else [ffn.up])
     return up + (ffn.down.n_elements * 4 if ffn.transposed else linear_bytes([ffn.down]))
-
-
-def _record_type(ggml_type: T) -> T:
-    """The encoding of a row in the neuron store (mirrors `ops.neuron._encoded_rows`)."""
-    if ggml_type in FLOAT_TYPES:
-        return T.F32
-    return ggml_type if ggml_type in (T.Q4_0, T.Q4_1, T.Q8_0) else T.Q8_0
 
 
 def model_shape(gguf: GGUFFile, config: ModelConfig, accelerator: str = "cpu") -> ModelShape:

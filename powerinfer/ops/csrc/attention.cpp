@@ -6,22 +6,56 @@
 // (row, q head), spread over the threads. Grouped KV heads: q head h reads KV head h / (n_head / n_kv).
 // Each (row, head) is computed the same way whichever rows share the call, so a row gets the same
 // bits alone or batched. Reference: Attention in powerinfer/models/layers.py (tests/test_models.py).
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <torch/extension.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
-#if defined(__AVX512F__)
+
+#include "common.h"
+#include "ops.h"
+#ifdef POWERINFER_X86
 #include <immintrin.h>
 #endif
 
+namespace powerinfer {
+
+// One head for one query: out[hd] = softmax(q . K[j] * scale) V over keys j < n; K, V: rows of hd
+// floats; p: n floats of scratch.
+using HeadKernel = void (*)(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p,
+                            float* out);
+
+constexpr int64_t MAX_CHUNKS = 8;  // SIMD paths: head_dim up to 8 vectors, in registers
+
+namespace scalar {
+
+void attend_head(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p, float* out) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    float dot = 0.0f;
+    for (int64_t d = 0; d < hd; ++d) dot += q[d] * K[j * hd + d];
+    p[j] = dot * scale;
+    top = std::max(top, p[j]);
+  }
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) sum += p[j] = std::exp(p[j] - top);
+  std::fill(out, out + hd, 0.0f);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < hd; ++d) out[d] += p[j] * V[j * hd + d];
+  for (int64_t d = 0; d < hd; ++d) out[d] *= 1.0f / sum;
+}
+
+}  // namespace scalar
+}  // namespace powerinfer
+
+#ifdef POWERINFER_X86
+POWERINFER_TARGET_AVX512
+namespace powerinfer::avx512 {
 namespace {
 
-constexpr int64_t SERIAL_KEYS = 2048;  // below this many (head, key) pairs a call stays on one thread
-
-#if defined(__AVX512F__)
 // exp(x) for x <= 0 (scores minus their maximum): 2^n * exp(r), |r| <= ln(2)/2, degree-7 Taylor
 // polynomial (relative error below 1e-8 before float32 rounding).
 inline __m512 exp_nonpositive(__m512 x) {
@@ -34,14 +68,10 @@ inline __m512 exp_nonpositive(__m512 x) {
   for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
 }
-#endif
-
 // p[j] = exp(p[j] - max) for j < n; returns their sum.
 float softmax_numerators(float* p, int64_t n) {
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) top = std::max(top, p[j]);
-  float sum = 0.0f;
-#if defined(__AVX512F__)
   __m512 total = _mm512_setzero_ps();
   const __m512 shift = _mm512_set1_ps(top);
   for (int64_t j = 0; j < n; j += 16) {
@@ -50,14 +80,9 @@ float softmax_numerators(float* p, int64_t n) {
     _mm512_mask_storeu_ps(p + j, mask, e);
     total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
   }
-  sum = _mm512_reduce_add_ps(total);
-#else
-  for (int64_t j = 0; j < n; ++j) sum += p[j] = std::exp(p[j] - top);
-#endif
-  return sum;
+  return _mm512_reduce_add_ps(total);
 }
 
-#if defined(__AVX512F__)
 // Lane i of the result: the sum of the lanes of v[i] (16 dot products finished at once).
 inline __m512 sum_lanes16(const __m512* v) {
   __m512 t[8], u[4], w[2];
@@ -70,8 +95,6 @@ inline __m512 sum_lanes16(const __m512* v) {
     w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xdd));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xdd));
 }
-
-constexpr int64_t MAX_CHUNKS = 8;  // head_dim up to 128 in registers
 
 // p[j] = q . K[j] * scale for j < n, head_dim = 16 * chunks.
 void scores(const float* q, const float* K, int64_t n, int64_t chunks, float scale, float* p) {
@@ -102,28 +125,98 @@ void weighted_values(const float* p, const float* V, int64_t n, int64_t chunks, 
   }
   for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inverse)));
 }
+}  // namespace
+
+void attend_head(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p, float* out) {
+  if (hd % 16 != 0 || hd / 16 > MAX_CHUNKS) return scalar::attend_head(q, K, V, n, hd, scale, p, out);
+  scores(q, K, n, hd / 16, scale, p);
+  weighted_values(p, V, n, hd / 16, 1.0f / softmax_numerators(p, n), out);
+}
+
+}  // namespace powerinfer::avx512
+POWERINFER_TARGET_END
+
+POWERINFER_TARGET_AVX2
+namespace powerinfer::avx2 {
+namespace {
+
+// exp(x) for x <= 0, as the AVX-512 path: 2^n * exp(r), |r| <= ln(2)/2, degree-7 Taylor polynomial,
+// 2^n built in the exponent bits. x is clamped at -87, where 2^n is still a normal number: such
+// terms are far below the float32 precision of the sum, which holds exp(0) = 1.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // 2^n stays a normal number
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+
+inline float horizontal_sum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+}  // namespace
+
+// head_dim = 8 * chunks, chunks <= 2 * MAX_CHUNKS
+void attend_head(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p, float* out) {
+  if (hd % 8 != 0 || hd / 8 > 2 * MAX_CHUNKS) return scalar::attend_head(q, K, V, n, hd, scale, p, out);
+  const int64_t chunks = hd / 8;
+  __m256 qv[2 * MAX_CHUNKS];
+  for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(K + j * hd));
+    for (int64_t c = 1; c < chunks; ++c) acc = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(K + j * hd + 8 * c), acc);
+    p[j] = horizontal_sum(acc) * scale;
+    top = std::max(top, p[j]);
+  }
+  __m256 total = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(top)));
+    _mm256_storeu_ps(p + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  float sum = horizontal_sum(total);
+  if (j < n) {
+    alignas(32) float rest[8];
+    std::fill(rest, rest + 8, -std::numeric_limits<float>::infinity());
+    std::copy(p + j, p + n, rest);
+    _mm256_store_ps(rest, exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(rest), _mm256_set1_ps(top))));
+    for (int64_t i = 0; j + i < n; ++i) sum += p[j + i] = rest[i];
+  }
+  __m256 acc[2 * MAX_CHUNKS];
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < n; ++k) {
+    const __m256 w = _mm256_set1_ps(p[k]);
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(V + k * hd + 8 * c), acc[c]);
+  }
+  const __m256 inverse = _mm256_set1_ps(1.0f / sum);
+  for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inverse));
+}
+
+}  // namespace powerinfer::avx2
+POWERINFER_TARGET_END
 #endif
 
-// out[hd] = softmax(q . K[j] * scale) V over keys j < n; K, V: rows of hd floats; p: n floats of scratch.
-void attend_head(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p,
-                 float* out) {
-#if defined(__AVX512F__)
-  if (hd % 16 == 0 && hd / 16 <= MAX_CHUNKS) {
-    scores(q, K, n, hd / 16, scale, p);
-    weighted_values(p, V, n, hd / 16, 1.0f / softmax_numerators(p, n), out);
-    return;
-  }
+namespace powerinfer {
+namespace {
+
+constexpr int64_t SERIAL_KEYS = 2048;  // below this many (head, key) pairs a call stays on one thread
+
+HeadKernel head_kernel() {
+  switch (active_isa()) {
+#ifdef POWERINFER_X86
+    case Isa::AVX512: return avx512::attend_head;
+    case Isa::AVX2: return avx2::attend_head;
 #endif
-  for (int64_t j = 0; j < n; ++j) {
-    float dot = 0.0f;
-    for (int64_t d = 0; d < hd; ++d) dot += q[d] * K[j * hd + d];
-    p[j] = dot * scale;
+    default: return scalar::attend_head;
   }
-  const float inverse = 1.0f / softmax_numerators(p, n);
-  std::fill(out, out + hd, 0.0f);
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t d = 0; d < hd; ++d) out[d] += p[j] * V[j * hd + d];
-  for (int64_t d = 0; d < hd; ++d) out[d] *= inverse;
 }
 
 // x (pairs of floats) *= rotation (cos, sin pairs), as complex numbers, for `pairs` pairs.
@@ -176,6 +269,7 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor keys, torch::Ten
   float* o = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t tasks = rows * n_head;
+  const HeadKernel attend_head = head_kernel();
   at::parallel_for(0, tasks, work < SERIAL_KEYS ? tasks : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p;
     for (int64_t t = begin; t < end; ++t) {
@@ -189,7 +283,4 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor keys, torch::Ten
   return out;
 }
 
-void register_attention(pybind11::module& m) {
-  m.def("decode_attention", &decode_attention, "one new token per row: RoPE, store k/v, attend over each row's cache slot",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-}
+}  // namespace powerinfer

@@ -1,51 +1,160 @@
-// Neuron-aware sparse FFN operators on quantized neuron records.
-//
-// Each FFN neuron i owns one contiguous record (a row of a uint8 tensor [n_ff, record_bytes]) that
-// holds its gate row, up row and ffn_down_t row ("sections"), so computing an active neuron reads
-// one contiguous stretch of memory. A section is described by six integers:
-//   {q_off, d_off, m_off, bits, n_values, unused}  (byte offsets within the record)
-//   bits 4: n_values/32 blocks, w = d_b * q + m_b; q: 16 bytes per block, weight k in the low nibble
-//           of byte k and weight k+16 in the high one; d, m float16 per block (m_off < 0: m_b = -8 d_b)
-//   bits 8: w = d_b * q, q int8 (32 per block), d float16 per block
-//   bits 32: float32 values (d_off, m_off unused)
+// Neuron-aware sparse FFN operators (record layout and arithmetic: neuron_kernels.h):
 //
 //   gather_matvec(rec, sec, x, idx)     y[m, j] = dot(sec(idx[j]), x[m])        row-gather matvec
 //   accumulate_rows(rec, sec, a, idx)   y[m]    = sum_j a[m, j] * sec(idx[j])   accumulate rows
 //   sparse_ffn(rec, gate, up, down, act, x, idx)  both, fused per neuron:
 //       y[m] = sum_j act(gate_j . x[m], up_j . x[m]) * down_j
 //
-// Dot products with 4/8-bit rows quantize x to int8 per block of 32 (as llama.cpp does) and use
-// AVX-512 VNNI, with exact float32 block sums for the offset terms; accumulation is float32.
-// Plain-torch references: powerinfer/ops/neuron.py.
-#include <torch/extension.h>
+// This file: the operators, x's quantization, and the scalar dot products and accumulations (the
+// kernels of CPUs without AVX2); neuron_kernels_simd.cpp holds the AVX2 and AVX-512 ones.
+#include "neuron_kernels.h"
+
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
+#include <torch/extension.h>
+
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "ops.h"
+
+namespace powerinfer {
 
 namespace {
 
-constexpr int QK = 32;
+// Per group of 16 weights of one block: d sc and dmin mn (see ggml_blocks.h).
+void group_scales(const BlockFormat& f, const uint8_t* block, float* dsc, float* min) {
+  BlockScales s;
+  decode_scales(f, block, s);
+  const float d = half_to_float(reinterpret_cast<const uint8_t*>(&s.d));
+  const float dmin = half_to_float(reinterpret_cast<const uint8_t*>(&s.dmin));
+  for (int64_t g = 0; g < f.n / QK_SUB; ++g) {
+    const int64_t j = g * QK_SUB / f.sub;
+    dsc[g] = d * static_cast<float>(s.sc[j]);
+    min[g] = f.has_min ? dmin * static_cast<float>(s.mn[j]) : 0.0f;
+  }
+}
 
-struct Section {
-  int64_t q_off, d_off, m_off, bits, n_values;
-  int64_t n_blocks() const { return n_values / QK; }
-};
+}  // namespace
+
+void group_factors(const BlockFormat& f, const uint8_t* block, const float* x_scale, GroupFactors& out) {
+  group_scales(f, block, out.factor, out.min);
+  for (int64_t g = 0; g < f.n / QK_SUB; ++g) out.factor[g] *= x_scale[g / 2];
+}
+
+void axpy_coefficients(const BlockFormat& f, const uint8_t* block, float c, float* a, float* b) {
+  group_scales(f, block, a, b);
+  for (int64_t g = 0; g < f.n / QK_SUB; ++g) {
+    b[g] = c * (b[g] - static_cast<float>(f.offset) * a[g]);
+    a[g] *= c;
+  }
+}
+
+namespace scalar {
+
+float dot(const uint8_t* rec, const Section& s, const QuantizedX& x) {
+  float acc = 0.0f;
+  if (s.bits == 32) {
+    const float* w = reinterpret_cast<const float*>(rec + s.q_off);
+    for (int64_t k = 0; k < s.n_values; ++k) acc += w[k] * x.x[k];
+    return acc;
+  }
+  if (s.bits == 0) {
+    const BlockFormat& f = *s.format;
+    DecodedBlock b;
+    GroupFactors g;
+    for (int64_t i = 0; i < s.n_values / f.n; ++i) {
+      const uint8_t* block = rec + s.q_off + i * f.bytes;
+      decode_block(f, block, b);
+      group_factors(f, block, x.scale.data() + i * f.n / QK, g);
+      for (int64_t group = 0; group < f.n / QK_SUB; ++group) {
+        const int64_t first = i * f.n + group * QK_SUB;
+        int32_t dot = 0;
+        for (int64_t k = 0; k < QK_SUB; ++k) dot += b.q[group * QK_SUB + k] * x.q8[first + k];
+        const int64_t g16 = first / QK_SUB;
+        acc += g.factor[group] * static_cast<float>(dot - f.offset * static_cast<int32_t>(x.qsum16[g16])) + g.min[group] * x.sum16[g16];
+      }
+    }
+    return acc;
+  }
+  for (int64_t b = 0; b < s.n_blocks(); ++b) {
+    int32_t dot = 0;
+    for (int k = 0; k < QK; ++k) {
+      int w;
+      if (s.bits == 4) {
+        const uint8_t byte = rec[s.q_off + b * 16 + (k % 16)];
+        w = k < 16 ? (byte & 0x0F) : (byte >> 4);
+      } else {
+        w = static_cast<int8_t>(rec[s.q_off + b * QK + k]);
+      }
+      dot += w * x.q8[b * QK + k];
+    }
+    const float d = half_to_float(rec + s.d_off + 2 * b);
+    const float m = s.bits == 8 ? 0.0f : s.m_off >= 0 ? half_to_float(rec + s.m_off + 2 * b) : -8.0f * d;
+    acc += d * x.scale[b] * dot + m * x.sum[b];
+  }
+  return acc;
+}
+
+namespace {
+
+void axpy(const uint8_t* rec, const Section& s, float c, float* out) {
+  if (s.bits == 32) {
+    const float* w = reinterpret_cast<const float*>(rec + s.q_off);
+    for (int64_t k = 0; k < s.n_values; ++k) out[k] += c * w[k];
+    return;
+  }
+  if (s.bits == 0) {
+    const BlockFormat& f = *s.format;
+    DecodedBlock b;
+    float a[QK_K / QK_SUB], bias[QK_K / QK_SUB];
+    for (int64_t i = 0; i < s.n_values / f.n; ++i) {
+      const uint8_t* block = rec + s.q_off + i * f.bytes;
+      decode_block(f, block, b);
+      axpy_coefficients(f, block, c, a, bias);
+      for (int64_t k = 0; k < f.n; ++k) out[i * f.n + k] += a[k / QK_SUB] * b.q[k] + bias[k / QK_SUB];
+    }
+    return;
+  }
+  const uint8_t* q = rec + s.q_off;
+  for (int64_t b = 0; b < s.n_blocks(); ++b) {
+    const float d = half_to_float(rec + s.d_off + 2 * b);
+    const float m = s.bits == 8 ? 0.0f : s.m_off >= 0 ? half_to_float(rec + s.m_off + 2 * b) : -8.0f * d;
+    for (int k = 0; k < QK; ++k) {
+      int w;
+      if (s.bits == 4) {
+        const uint8_t byte = q[b * 16 + (k % 16)];
+        w = k < 16 ? (byte & 0x0F) : (byte >> 4);
+      } else {
+        w = static_cast<int8_t>(q[b * QK + k]);
+      }
+      out[b * QK + k] += c * (d * w + m);
+    }
+  }
+}
+
+}  // namespace
+
+void axpy_rows(const uint8_t* const* recs, const float* c, int n_rows, const Section& s, float* out) {
+  for (int r = 0; r < n_rows; ++r) axpy(recs[r], s, c[r], out);
+}
+
+}  // namespace scalar
+
+namespace {
 
 Section make_section(const std::vector<int64_t>& v, int64_t record_bytes) {
   TORCH_CHECK(v.size() == 6, "a section is 6 integers");
-  Section s{v[0], v[1], v[2], v[3], v[4]};
-  TORCH_CHECK(s.bits == 4 || s.bits == 8 || s.bits == 32, "section bits must be 4, 8 or 32");
+  Section s{v[0], v[1], v[2], v[3], v[4], nullptr};
+  TORCH_CHECK(s.bits == 0 || s.bits == 4 || s.bits == 8 || s.bits == 32, "section bits must be 0, 4, 8 or 32");
   TORCH_CHECK(s.n_values > 0 && s.n_values % QK == 0, "section length must be a multiple of 32");
-  const int64_t q_bytes = s.bits == 32 ? 4 * s.n_values : s.n_values * s.bits / 8;
+  int64_t q_bytes = s.bits == 32 ? 4 * s.n_values : s.n_values * s.bits / 8;
+  if (s.bits == 0) {
+    s.format = &block_format(v[5]);
+    TORCH_CHECK(s.n_values % s.format->n == 0, "section length must be a multiple of its type's block");
+    q_bytes = s.n_values / s.format->n * s.format->bytes;
+  }
   TORCH_CHECK(s.q_off >= 0 && s.q_off + q_bytes <= record_bytes, "section values outside the record");
-  if (s.bits != 32) TORCH_CHECK(s.d_off >= 0 && s.d_off + 2 * s.n_blocks() <= record_bytes, "section scales outside the record");
+  if (s.bits == 4 || s.bits == 8) TORCH_CHECK(s.d_off >= 0 && s.d_off + 2 * s.n_blocks() <= record_bytes, "section scales outside the record");
   if (s.bits == 4 && s.m_off >= 0) TORCH_CHECK(s.m_off + 2 * s.n_blocks() <= record_bytes, "section offsets outside the record");
   return s;
 }
@@ -64,28 +173,9 @@ Records check_records(const torch::Tensor& rec, const torch::Tensor& idx) {
   return Records{rec.data_ptr<uint8_t>(), rec.size(0), rec.size(1)};
 }
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
-constexpr int64_t PREFETCH_AHEAD = 2;  // neurons fetched ahead of use (measured: 1..6 perform alike)
-
-// Rows are visited in data-dependent order, which hardware prefetchers cannot follow.
-inline void prefetch(const uint8_t* p, int64_t bytes) {
-#if defined(__AVX512F__)
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
-#endif
-}
-
-// ---------------------------------------------------------------- x, quantized per block
-
-struct QuantizedX {
-  std::vector<int8_t> q4, q8;   // int8 x in the order 4-bit (nibble pairs) / 8-bit rows consume it
-  std::vector<float> scale, sum;  // per block: int8 scale, exact float32 sum
-  const float* x;
-};
+// Rows are visited in data-dependent order, which hardware prefetchers cannot follow: they are
+// fetched this many neurons ahead of use (measured: 1..6 perform alike).
+constexpr int64_t PREFETCH_AHEAD = 2;
 
 QuantizedX quantize_x(const float* x, int64_t n_values) {
   const int64_t n_blocks = n_values / QK, groups = (n_blocks + 3) / 4;
@@ -95,232 +185,31 @@ QuantizedX quantize_x(const float* x, int64_t n_values) {
   out.q8.assign(groups * 4 * QK, 0);
   out.scale.assign(groups * 4, 0.0f);
   out.sum.assign(groups * 4, 0.0f);
+  out.sum16.assign(groups * 8, 0.0f);
+  out.qsum16.assign(groups * 8, 0.0f);
   for (int64_t b = 0; b < n_blocks; ++b) {
     const float* xb = x + b * QK;
-    float amax = 0.0f, sum = 0.0f;
-    for (int k = 0; k < QK; ++k) {
-      amax = std::max(amax, std::fabs(xb[k]));
-      sum += xb[k];
-    }
+    float amax = 0.0f;
+    for (int k = 0; k < QK; ++k) amax = std::max(amax, std::fabs(xb[k]));
     const float scale = amax / 127.0f, inv = scale > 0 ? 1.0f / scale : 0.0f;
     out.scale[b] = scale;
-    out.sum[b] = sum;
-    for (int k = 0; k < QK; ++k) {
-      const int8_t v = static_cast<int8_t>(std::nearbyint(xb[k] * inv));
-      out.q8[b * QK + k] = v;
-      // 4-bit rows: per 4 blocks, 64 partners of the low nibbles then 64 of the high nibbles
-      out.q4[(b / 4) * 4 * QK + (k / 16) * 64 + (b % 4) * 16 + (k % 16)] = v;
+    for (int half = 0; half < 2; ++half) {
+      float sum = 0.0f;
+      int32_t qsum = 0;
+      for (int k = 16 * half; k < 16 * half + 16; ++k) {
+        const int8_t v = static_cast<int8_t>(std::nearbyint(xb[k] * inv));
+        out.q8[b * QK + k] = v;
+        // 4-bit rows: per 4 blocks, 64 partners of the low nibbles then 64 of the high nibbles
+        out.q4[(b / 4) * 4 * QK + (k / 16) * 64 + (b % 4) * 16 + (k % 16)] = v;
+        sum += xb[k];
+        qsum += v;
+      }
+      out.sum16[2 * b + half] = sum;
+      out.qsum16[2 * b + half] = static_cast<float>(qsum);
     }
+    out.sum[b] = out.sum16[2 * b] + out.sum16[2 * b + 1];
   }
   return out;
-}
-
-// ---------------------------------------------------------------- dot products
-
-float dot_reference(const uint8_t* rec, const Section& s, const QuantizedX& x) {
-  float acc = 0.0f;
-  if (s.bits == 32) {
-    const float* w = reinterpret_cast<const float*>(rec + s.q_off);
-    for (int64_t k = 0; k < s.n_values; ++k) acc += w[k] * x.x[k];
-    return acc;
-  }
-  for (int64_t b = 0; b < s.n_blocks(); ++b) {
-    int32_t dot = 0;
-    for (int k = 0; k < QK; ++k) {
-      int w;
-      if (s.bits == 4) {
-        const uint8_t byte = rec[s.q_off + b * 16 + (k % 16)];
-        w = k < 16 ? (byte & 0x0F) : (byte >> 4);
-      } else {
-        w = static_cast<int8_t>(rec[s.q_off + b * QK + k]);
-      }
-      dot += w * x.q8[b * QK + k];
-    }
-    const float d = half_at(rec + s.d_off + 2 * b);
-    const float m = s.bits == 8 ? 0.0f : s.m_off >= 0 ? half_at(rec + s.m_off + 2 * b) : -8.0f * d;
-    acc += d * x.scale[b] * dot + m * x.sum[b];
-  }
-  return acc;
-}
-
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-inline __m512i lanes_per_block(int64_t first, int shift) {  // lane l <- element first + (l >> shift)
-  return _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)),
-                          _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), shift));
-}
-
-float dot(const uint8_t* rec, const Section& s, const QuantizedX& x) {
-  if (s.bits == 32) return dot_reference(rec, s, x);
-  const int64_t n_blocks = s.n_blocks();
-  const uint8_t* q = rec + s.q_off;
-  const uint16_t* d = reinterpret_cast<const uint16_t*>(rec + s.d_off);
-  const uint16_t* m = s.bits == 4 && s.m_off >= 0 ? reinterpret_cast<const uint16_t*>(rec + s.m_off) : nullptr;
-  const __m512i low = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 acc = _mm512_setzero_ps(), offsets = _mm512_setzero_ps();
-  for (int64_t c = 0; c < n_blocks; c += 16) {  // 16 blocks share one load of scales
-    const int64_t nb = std::min<int64_t>(16, n_blocks - c);
-    const __mmask16 bm = static_cast<__mmask16>((1u << nb) - 1);
-    const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, d + c));
-    const __m512 sv = _mm512_mul_ps(dv, _mm512_maskz_loadu_ps(bm, x.scale.data() + c));
-    if (s.bits == 4) {
-      const __m512 xs = _mm512_maskz_loadu_ps(bm, x.sum.data() + c);
-      const __m512 mv = m ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, m + c)) : _mm512_mul_ps(dv, _mm512_set1_ps(-8.0f));
-      offsets = _mm512_fmadd_ps(mv, xs, offsets);
-      for (int64_t g = 0; g < (nb + 3) / 4; ++g) {  // 4 blocks: 64 bytes, 128 weights
-        const int64_t b = c + 4 * g, in_group = std::min<int64_t>(4, n_blocks - b);
-        const __mmask64 mask = in_group == 4 ? ~0ull : ((1ull << (16 * in_group)) - 1);
-        const __m512i bytes = _mm512_maskz_loadu_epi8(mask, q + b * 16);
-        const int8_t* xg = x.q4.data() + (b / 4) * 4 * QK;
-        __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(bytes, low), _mm512_loadu_si512(xg));
-        sums = _mm512_dpbusd_epi32(sums, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low), _mm512_loadu_si512(xg + 64));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_permutexvar_ps(lanes_per_block(4 * g, 2), sv), acc);
-      }
-    } else {
-      for (int64_t p = 0; p < (nb + 1) / 2; ++p) {  // 2 blocks: 64 int8 weights
-        const int64_t b = c + 2 * p, in_pair = std::min<int64_t>(2, n_blocks - b);
-        const __mmask64 mask = in_pair == 2 ? ~0ull : ((1ull << (QK * in_pair)) - 1);
-        const __m512i xv = _mm512_maskz_loadu_epi8(mask, x.q8.data() + b * QK);
-        // dpbusd multiplies unsigned by signed bytes: use q + 128, then take away 128 * sum(x).
-        const __m512i w = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, q + b * QK), bias);
-        __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
-        sums = _mm512_sub_epi32(sums, _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, xv));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_permutexvar_ps(lanes_per_block(2 * p, 3), sv), acc);
-      }
-    }
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc, offsets));
-}
-#else
-float dot(const uint8_t* rec, const Section& s, const QuantizedX& x) { return dot_reference(rec, s, x); }
-#endif
-
-// ---------------------------------------------------------------- out += c * row
-
-void axpy(const uint8_t* rec, const Section& s, float c, float* out) {
-  if (s.bits == 32) {
-    const float* w = reinterpret_cast<const float*>(rec + s.q_off);
-    for (int64_t k = 0; k < s.n_values; ++k) out[k] += c * w[k];
-    return;
-  }
-  const int64_t n_blocks = s.n_blocks();
-  const uint8_t* q = rec + s.q_off;
-#if defined(__AVX512F__)
-  const uint16_t* d = reinterpret_cast<const uint16_t*>(rec + s.d_off);
-  const uint16_t* m = s.bits == 4 && s.m_off >= 0 ? reinterpret_cast<const uint16_t*>(rec + s.m_off) : nullptr;
-  alignas(64) float cd[16], cm[16];
-  for (int64_t b0 = 0; b0 < n_blocks; b0 += 16) {
-    const int64_t nb = std::min<int64_t>(16, n_blocks - b0);
-    const __mmask16 bm = static_cast<__mmask16>((1u << nb) - 1);
-    const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, d + b0));
-    const __m512 mv = s.bits == 8 ? _mm512_setzero_ps()
-                      : m ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, m + b0)) : _mm512_mul_ps(dv, _mm512_set1_ps(-8.0f));
-    _mm512_store_ps(cd, _mm512_mul_ps(dv, _mm512_set1_ps(c)));
-    _mm512_store_ps(cm, _mm512_mul_ps(mv, _mm512_set1_ps(c)));
-    for (int64_t i = 0; i < nb; ++i) {
-      const int64_t b = b0 + i;
-      float* o = out + b * QK;
-      __m512 lo, hi;
-      if (s.bits == 4) {
-        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
-        lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
-        hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-      } else {
-        const __m128i* v = reinterpret_cast<const __m128i*>(q + b * QK);
-        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(v)));
-        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(v + 1)));
-      }
-      const __m512 vc = _mm512_set1_ps(cd[i]), vm = _mm512_set1_ps(cm[i]);
-      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_fmadd_ps(lo, vc, _mm512_loadu_ps(o)), vm));
-      _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_fmadd_ps(hi, vc, _mm512_loadu_ps(o + 16)), vm));
-    }
-  }
-#else
-  for (int64_t b = 0; b < n_blocks; ++b) {
-    const float d = half_at(rec + s.d_off + 2 * b);
-    const float m = s.bits == 8 ? 0.0f : s.m_off >= 0 ? half_at(rec + s.m_off + 2 * b) : -8.0f * d;
-    for (int k = 0; k < QK; ++k) {
-      int w;
-      if (s.bits == 4) {
-        const uint8_t byte = q[b * 16 + (k % 16)];
-        w = k < 16 ? (byte & 0x0F) : (byte >> 4);
-      } else {
-        w = static_cast<int8_t>(q[b * QK + k]);
-      }
-      out[b * QK + k] += c * (d * w + m);
-    }
-  }
-#endif
-}
-
-// out += sum_r c[r] * row r, for up to 4 rows with the same section: the output is loaded and
-// stored once per block for all of them (the single-row loop is bound by those loads and stores).
-void axpy_rows(const uint8_t* const* recs, const float* c, int n_rows, const Section& s, float* out) {
-#if defined(__AVX512F__)
-  if (s.bits != 32 && n_rows > 1) {
-    const int64_t n_blocks = s.n_blocks();
-    alignas(64) float cd[4][16], offset_sum[16];
-    for (int64_t b0 = 0; b0 < n_blocks; b0 += 16) {
-      const int64_t nb = std::min<int64_t>(16, n_blocks - b0);
-      const __mmask16 bm = static_cast<__mmask16>((1u << nb) - 1);
-      __m512 offsets = _mm512_setzero_ps();
-      for (int r = 0; r < n_rows; ++r) {
-        const uint16_t* d = reinterpret_cast<const uint16_t*>(recs[r] + s.d_off);
-        const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, d + b0));
-        const __m512 cv = _mm512_set1_ps(c[r]);
-        _mm512_store_ps(cd[r], _mm512_mul_ps(dv, cv));
-        if (s.bits == 4) {
-          const __m512 mv = s.m_off >= 0
-              ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, reinterpret_cast<const uint16_t*>(recs[r] + s.m_off) + b0))
-              : _mm512_mul_ps(dv, _mm512_set1_ps(-8.0f));
-          offsets = _mm512_fmadd_ps(mv, cv, offsets);
-        }
-      }
-      _mm512_store_ps(offset_sum, offsets);
-      for (int64_t i = 0; i < nb; ++i) {
-        const int64_t b = b0 + i;
-        float* o = out + b * QK;
-        __m512 lo_acc = _mm512_add_ps(_mm512_loadu_ps(o), _mm512_set1_ps(offset_sum[i]));
-        __m512 hi_acc = _mm512_add_ps(_mm512_loadu_ps(o + 16), _mm512_set1_ps(offset_sum[i]));
-        for (int r = 0; r < n_rows; ++r) {
-          const uint8_t* q = recs[r] + s.q_off;
-          __m512 lo, hi;
-          if (s.bits == 4) {
-            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
-            lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
-            hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-          } else {
-            const __m128i* v = reinterpret_cast<const __m128i*>(q + b * QK);
-            lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(v)));
-            hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(v + 1)));
-          }
-          const __m512 vc = _mm512_set1_ps(cd[r][i]);
-          lo_acc = _mm512_fmadd_ps(lo, vc, lo_acc);
-          hi_acc = _mm512_fmadd_ps(hi, vc, hi_acc);
-        }
-        _mm512_storeu_ps(o, lo_acc);
-        _mm512_storeu_ps(o + 16, hi_acc);
-      }
-    }
-    return;
-  }
-#endif
-  for (int r = 0; r < n_rows; ++r) axpy(recs[r], s, c[r], out);
-}
-
-// ---------------------------------------------------------------- activations
-
-enum Activation : int64_t { RELU = 0, SILU = 1, GELU = 2, DRELU = 3 };
-
-inline float activate(int64_t act, bool gated, float gate, float up) {
-  auto f = [act](float v) {
-    switch (act) {
-      case SILU: return v / (1.0f + std::exp(-v));
-      case GELU: return 0.5f * v * (1.0f + std::tanh(0.7978845608f * (v + 0.044715f * v * v * v)));
-      default: return v > 0.0f ? v : 0.0f;
-    }
-  };
-  if (!gated) return f(up);
-  return act == DRELU ? f(gate) * (up > 0.0f ? up : 0.0f) : f(gate) * up;
 }
 
 std::vector<QuantizedX> quantize_rows(const torch::Tensor& x, int64_t n_values) {
@@ -331,15 +220,48 @@ std::vector<QuantizedX> quantize_rows(const torch::Tensor& x, int64_t n_values) 
   return out;
 }
 
-// Runs body(t, j0, j1) for n_tasks contiguous slices of [0, n); returns n_tasks.
-template <typename F>
-int64_t split(int64_t n, F body) {
-  const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n + 31) / 32));
-  at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) body(t, n * t / n_tasks, n * (t + 1) / n_tasks);
-  });
-  return n_tasks;
+struct RecordKernels {
+  DotKernel dot;
+  AxpyKernel axpy_rows;
+};
+
+RecordKernels kernels() {
+  switch (active_isa()) {
+#ifdef POWERINFER_X86
+    case Isa::AVX512: return {avx512::dot, avx512::axpy_rows};
+    case Isa::AVX2: return {avx2::dot, avx2::axpy_rows};
+#endif
+    default: return {scalar::dot, scalar::axpy_rows};
+  }
 }
+
+inline float activate(Activation act, float gate, float up) {
+  auto f = [act](float v) {
+    switch (act) {
+      case Activation::SILU_GATED: return v / (1.0f + std::exp(-v));
+      case Activation::GELU_GATED:
+      case Activation::GELU: return 0.5f * v * (1.0f + std::tanh(0.7978845608f * (v + 0.044715f * v * v * v)));
+      default: return v > 0.0f ? v : 0.0f;
+    }
+  };
+  if (!is_gated(act)) return f(up);
+  return act == Activation::DRELU ? f(gate) * (up > 0.0f ? up : 0.0f) : f(gate) * up;
+}
+
+// [0, n) in `tasks` contiguous slices (at most one per thread, at least 32 items each); callers
+// size per-task buffers by `tasks`.
+struct Split {
+  int64_t n, tasks;
+
+  explicit Split(int64_t n) : n(n), tasks(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n + 31) / 32))) {}
+
+  template <typename F>
+  void run(F body) const {  // body(task, first, end)
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) body(t, n * t / tasks, n * (t + 1) / tasks);
+    });
+  }
+};
 
 }  // namespace
 
@@ -351,9 +273,10 @@ torch::Tensor gather_matvec(torch::Tensor rec, std::vector<int64_t> section, tor
   auto y = torch::empty({M, n}, x.options());
   const int64_t* ids = idx.data_ptr<int64_t>();
   float* out = y.data_ptr<float>();
-  split(n, [&](int64_t, int64_t j0, int64_t j1) {
+  const DotKernel dot = kernels().dot;
+  Split(n).run([&](int64_t, int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
-      if (j + 2 < j1) prefetch(r.row(ids[j + 2]) + s.q_off, std::min<int64_t>(r.stride - s.q_off, 4096));
+      if (j + PREFETCH_AHEAD < j1) prefetch(r.row(ids[j + PREFETCH_AHEAD]) + s.q_off, std::min<int64_t>(r.stride - s.q_off, 4096));
       for (int64_t m = 0; m < M; ++m) out[m * n + j] = dot(r.row(ids[j]), s, xs[m]);
     }
   });
@@ -366,35 +289,40 @@ torch::Tensor accumulate_rows(torch::Tensor rec, std::vector<int64_t> section, t
   TORCH_CHECK(a.dtype() == torch::kFloat32 && a.dim() == 2 && a.is_contiguous() && a.size(1) == idx.size(0),
               "a must be contiguous float32 [M, len(idx)]");
   const int64_t M = a.size(0), n = idx.size(0), dim = s.n_values;
-  const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n + 31) / 32));
-  auto partial = torch::zeros({n_tasks, M, dim}, a.options());  // one private accumulator per task
+  const Split split(n);
+  auto partial = torch::zeros({split.tasks, M, dim}, a.options());  // one private accumulator per task
   const int64_t* ids = idx.data_ptr<int64_t>();
   const float* as = a.data_ptr<float>();
   float* parts = partial.data_ptr<float>();
-  split(n, [&](int64_t t, int64_t j0, int64_t j1) {
+  const AxpyKernel axpy_rows = kernels().axpy_rows;
+  split.run([&](int64_t t, int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
-      if (j + 2 < j1) prefetch(r.row(ids[j + 2]) + s.q_off, std::min<int64_t>(r.stride - s.q_off, 4096));
-      for (int64_t m = 0; m < M; ++m) axpy(r.row(ids[j]), s, as[m * n + j], parts + (t * M + m) * dim);
+      if (j + PREFETCH_AHEAD < j1) prefetch(r.row(ids[j + PREFETCH_AHEAD]) + s.q_off, std::min<int64_t>(r.stride - s.q_off, 4096));
+      const uint8_t* row = r.row(ids[j]);
+      for (int64_t m = 0; m < M; ++m) axpy_rows(&row, as + m * n + j, 1, s, parts + (t * M + m) * dim);
     }
   });
-  return n_tasks == 1 ? partial[0] : partial.sum(0);
+  return split.tasks == 1 ? partial[0] : partial.sum(0);
 }
 
 torch::Tensor sparse_ffn(torch::Tensor rec, std::vector<int64_t> gate_section, std::vector<int64_t> up_section,
-                         std::vector<int64_t> down_section, int64_t activation, torch::Tensor x, torch::Tensor idx) {
+                         std::vector<int64_t> down_section, Activation activation, torch::Tensor x, torch::Tensor idx) {
   const Records r = check_records(rec, idx);
-  const bool gated = !gate_section.empty();
+  const Activation act = activation;
+  const bool gated = is_gated(act);
+  TORCH_CHECK(gated != gate_section.empty(), gated ? "a gated activation needs a gate section" : "this activation takes no gate");
   const Section up = make_section(up_section, r.stride), down = make_section(down_section, r.stride);
   const Section gate = gated ? make_section(gate_section, r.stride) : up;
   TORCH_CHECK(gate.n_values == up.n_values, "gate and up rows differ in length");
-  const bool relu_gate = gated && (activation == RELU || activation == DRELU);
+  const bool relu_gate = act == Activation::RELU_GATED || act == Activation::DRELU;
   const auto xs = quantize_rows(x, up.n_values);
   const int64_t M = x.size(0), n = idx.size(0), dim = down.n_values;
-  const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n + 31) / 32));
-  auto partial = torch::zeros({n_tasks, M, dim}, x.options());
+  const Split split(n);
+  auto partial = torch::zeros({split.tasks, M, dim}, x.options());
   const int64_t* ids = idx.data_ptr<int64_t>();
   float* parts = partial.data_ptr<float>();
-  split(n, [&](int64_t t, int64_t j0, int64_t j1) {
+  const RecordKernels k = kernels();
+  split.run([&](int64_t t, int64_t j0, int64_t j1) {
     for (int64_t m = 0; m < M; ++m) {
       float* out = parts + (t * M + m) * dim;
       const uint8_t* pending[4];  // neurons with a non-zero activation, accumulated 4 at a time
@@ -403,32 +331,21 @@ torch::Tensor sparse_ffn(torch::Tensor rec, std::vector<int64_t> gate_section, s
       for (int64_t j = j0; j < j1; ++j) {
         if (m == 0 && j + PREFETCH_AHEAD < j1) prefetch(r.row(ids[j + PREFETCH_AHEAD]), r.stride);  // a whole neuron
         const uint8_t* neuron = r.row(ids[j]);
-        const float g = gated ? dot(neuron, gate, xs[m]) : 0.0f;
+        const float g = gated ? k.dot(neuron, gate, xs[m]) : 0.0f;
         if (relu_gate && !(g > 0.0f)) continue;  // relu(gate) = 0: off whatever up is; skip the up dot
-        const float a = activate(activation, gated, g, dot(neuron, up, xs[m]));
+        const float a = activate(act, g, k.dot(neuron, up, xs[m]));
         if (a == 0.0f) continue;
         pending[n_pending] = neuron;
         coefficient[n_pending++] = a;
         if (n_pending == 4) {
-          axpy_rows(pending, coefficient, 4, down, out);
+          k.axpy_rows(pending, coefficient, 4, down, out);
           n_pending = 0;
         }
       }
-      axpy_rows(pending, coefficient, n_pending, down, out);
+      k.axpy_rows(pending, coefficient, n_pending, down, out);
     }
   });
-  return n_tasks == 1 ? partial[0] : partial.sum(0);
+  return split.tasks == 1 ? partial[0] : partial.sum(0);
 }
 
-void register_decode_step(pybind11::module& m);   // decode_step.cpp
-void register_quant_matmul(pybind11::module& m);  // quant_matmul.cpp
-void register_attention(pybind11::module& m);     // attention.cpp
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  register_decode_step(mod);
-  register_quant_matmul(mod);
-  register_attention(mod);
-  mod.def("gather_matvec", &gather_matvec, "y[m, j] = dot(section of record idx[j], x[m])");
-  mod.def("accumulate_rows", &accumulate_rows, "y[m] = sum_j a[m, j] * section of record idx[j]");
-  mod.def("sparse_ffn", &sparse_ffn, "y[m] = sum_j act(gate_j . x[m], up_j . x[m]) * down_j over records idx");
-}
+}  // namespace powerinfer

@@ -1,186 +1,228 @@
-// y = x @ W.T for Q4_0, Q4_1 and Q8_0 weights, on AVX-512 bfloat16 dot products.
-//
-// The quantized integers (0..15 nibbles, -128..127 bytes) are exact in bfloat16, so one
-// `vdpbf16ps` multiplies a pair of bfloat16 activations by a pair of weights exactly and adds both
-// products to a float32 lane: 32 multiply-adds per instruction, twice what float32 FMAs give (torch's
-// int4 kernel dequantizes every weight to float32 and is bound by its FMAs once a few rows share a
-// step). Per block of 32 inputs, with scale d and offset m (fp16, exact):
-//     sum_k x_k (d n_k + m) = d * sum_k x_k n_k + m * sum_k x_k
-// accumulated in float32, output float32. Each row's arithmetic depends on that row only, so a row
-// gets the same bits whatever other rows share the call.
-//
-// Layout, per block of 16 outputs (zero rows pad the last block):
-//   weight [N/16, K/2, 16 * bytes]: per input pair (2p, 2p+1), for each of the 16 outputs
-//       4-bit: one byte, nibble of input 2p low, of input 2p+1 high
-//       8-bit: two int8, inputs 2p and 2p+1
-//   scales fp16 [N/16, K/32, parts, 16]: d of each output (and, 4-bit, m) per block of 32 inputs
-// Plain-torch reference: QuantLinear.dequantized() in powerinfer/ops/linear.py.
-#include <torch/extension.h>
+// QuantLinear: repacking GGML blocks into the layout of quant_matmul.h, the scalar kernel, and
+// the call that spreads output blocks over threads with the kernel of the active instruction set.
+#include "quant_matmul.h"
+
 #include <ATen/Parallel.h>
+
 #include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define POWERINFER_QUANT_MATMUL 1
-#endif
+
+#include "projection.h"
+
+namespace powerinfer {
+
+int64_t quant_chunk_bytes(int64_t type) { return packed_layout(block_format(type)).bytes; }
 
 namespace {
 
-constexpr int64_t GROUP = 32;    // inputs per scale
-constexpr int64_t COLS = 16;     // outputs per block: one float32 vector
-constexpr int64_t MAX_ROWS = 8;  // rows sharing one conversion of the weights
-
-#ifdef POWERINFER_QUANT_MATMUL
-
-// Rows [0, ROWS) of one block of 16 outputs. pairs: the rows' bfloat16 inputs as 32-bit pairs
-// (row stride K/2); sums: per row and block of 32 inputs, the sum of the inputs (4-bit offsets).
-template <int ROWS, bool EIGHT_BIT>
-void output_block(const uint32_t* pairs, const float* sums, int64_t K, const uint8_t* weight,
-                  const uint16_t* scales, float* out, int64_t ldc, __mmask16 store_mask) {
-  // bfloat16 bits of 0..15, for the low and the high half of a 32-bit lane
-  const __m512i low_lut = _mm512_setr_epi32(0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
-                                            0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170);
-  const __m512i high_lut = _mm512_slli_epi32(low_lut, 16);
-  const int64_t groups = K / GROUP, pair_bytes = EIGHT_BIT ? 32 : 16, parts = EIGHT_BIT ? 1 : 2;
-  __m512 acc[ROWS];
-  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512 dot[ROWS];
-    for (int r = 0; r < ROWS; ++r) dot[r] = _mm512_setzero_ps();
-    const uint8_t* w = weight + g * (GROUP / 2) * pair_bytes;
-    for (int64_t p = 0; p < GROUP / 2; ++p) {
-      __m512i wv;
-      if constexpr (EIGHT_BIT) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
-        wv = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // exact: |q| <= 128
+void pack_chunk(const BlockFormat& f, const PackedLayout& l, const uint8_t* const* blocks, int n_rows, uint8_t* chunk) {
+  std::memset(chunk, 0, l.bytes);
+  DecodedBlock b;
+  for (int o = 0; o < n_rows; ++o) {
+    decode_block(f, blocks[o], b);
+    std::memcpy(chunk + l.d + 2 * o, &b.d, 2);
+    if (l.dmin >= 0) std::memcpy(chunk + l.dmin + 2 * o, &b.dmin, 2);
+    for (int64_t j = 0; f.sub_scales && j < f.n_sub(); ++j) {
+      chunk[l.sc + j * COLS + o] = l.nibble_scales ? static_cast<uint8_t>(b.sc[j] | (b.mn[j] << 4)) : static_cast<uint8_t>(b.sc[j]);
+      if (l.mn >= 0) chunk[l.mn + j * COLS + o] = b.mn[j];
+    }
+    for (int64_t k = 0; k < f.n; ++k) {
+      const int q = b.q[k];
+      if (l.low_bits == 8) {
+        chunk[l.low + (k / 2) * 2 * COLS + 2 * o + k % 2] = static_cast<uint8_t>(q ^ 0x80);  // back to int8
       } else {
-        // permutexvar reads the low 4 bits of each index: the low nibble, then the shifted high one
-        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + p * 16)));
-        wv = _mm512_or_si512(_mm512_permutexvar_epi32(b, low_lut),
-                             _mm512_permutexvar_epi32(_mm512_srli_epi32(b, 4), high_lut));
+        const int64_t per_byte = 8 / l.low_bits;
+        chunk[l.low + (k / per_byte) * COLS + o] |= (q & ((1 << l.low_bits) - 1)) << (l.low_bits * (k % per_byte));
       }
-      const int64_t k2 = g * (GROUP / 2) + p;
-      for (int r = 0; r < ROWS; ++r) {
-        const __m512i x = _mm512_set1_epi32(static_cast<int>(pairs[r * (K / 2) + k2]));
-        dot[r] = _mm512_dpbf16_ps(dot[r], reinterpret_cast<__m512bh>(wv), reinterpret_cast<__m512bh>(x));
+      for (int h = 0; h < l.high_bits; ++h) {
+        uint8_t* mask = chunk + l.high + ((k / 2) * l.high_bits + h) * 4;
+        const int bit = 2 * o + static_cast<int>(k % 2);
+        mask[bit / 8] |= ((q >> (l.low_bits + h)) & 1) << (bit % 8);
       }
     }
-    const uint16_t* s = scales + g * parts * COLS;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_fmadd_ps(dot[r], d, acc[r]);
-    if constexpr (!EIGHT_BIT) {
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + COLS)));
-      for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * groups + g]), m, acc[r]);
-    }
-  }
-  for (int r = 0; r < ROWS; ++r) _mm512_mask_storeu_ps(out + r * ldc, store_mask, acc[r]);
-}
-
-template <bool EIGHT_BIT>
-void output_block_rows(int rows, const uint32_t* pairs, const float* sums, int64_t K, const uint8_t* weight,
-                       const uint16_t* scales, float* out, int64_t ldc, __mmask16 mask) {
-  switch (rows) {
-    case 1: return output_block<1, EIGHT_BIT>(pairs, sums, K, weight, scales, out, ldc, mask);
-    case 2: return output_block<2, EIGHT_BIT>(pairs, sums, K, weight, scales, out, ldc, mask);
-    case 3: return output_block<3, EIGHT_BIT>(pairs, sums, K, weight, scales, out, ldc, mask);
-    case 4: return output_block<4, EIGHT_BIT>(pairs, sums, K, weight, scales, out, ldc, mask);
-    case 5: return output_block<5, EIGHT_BIT>(pairs, sums, K, weight, scales, out, ldc, mask);
-    case 6: return output_block<6, EIGHT_BIT>(pairs, sums, K, weight, scales, out, ldc, mask);
-    case 7: return output_block<7, EIGHT_BIT>(pairs, sums, K, weight, scales, out, ldc, mask);
-    case 8: return output_block<8, EIGHT_BIT>(pairs, sums, K, weight, scales, out, ldc, mask);
-    default: TORCH_CHECK(false, "at most ", MAX_ROWS, " rows per block");
   }
 }
-
-// x as bfloat16, row-major. float32 is rounded to nearest even here (denormals become 0), which
-// spares a torch call and a tensor per projection.
-std::vector<uint16_t> as_bf16(const torch::Tensor& x) {
-  const bool bf16 = x.scalar_type() == torch::kBFloat16;
-  const auto xc = bf16 || x.scalar_type() == torch::kFloat32 ? x.contiguous() : x.to(torch::kFloat32).contiguous();
-  std::vector<uint16_t> out(xc.numel());
-  if (bf16) {
-    std::memcpy(out.data(), xc.data_ptr(), out.size() * 2);
-    return out;
-  }
-  const float* f = xc.data_ptr<float>();
-  for (size_t i = 0; i < out.size(); i += 16)  // numel is a multiple of 32
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(f + i))));
-  return out;
-}
-
-// Per row and block of 32 inputs, the float32 sum of the bfloat16 inputs (a fixed order per row).
-std::vector<float> block_sums(const uint16_t* x, int64_t M, int64_t K) {
-  std::vector<float> sums(M * (K / GROUP));
-  for (int64_t i = 0; i < M * (K / GROUP); ++i) {
-    const __m512i raw = _mm512_loadu_si512(x + i * GROUP);
-    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-    const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-    sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-  }
-  return sums;
-}
-
-#endif
 
 }  // namespace
 
-bool quant_matmul_available() {
-#ifdef POWERINFER_QUANT_MATMUL
-  return true;
-#else
-  return false;
-#endif
-}
-
-// x [M, K] (any float type; rounded to bfloat16), weight and scales as above -> float32 [M, out_features].
-torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
-                           int64_t out_features) {
-  TORCH_CHECK(quant_matmul_available(), "quant_matmul needs AVX-512 with bfloat16 dot products");
-  TORCH_CHECK(x.dim() == 2, "x must be [rows, inputs]");
-  TORCH_CHECK(weight.dtype() == torch::kUInt8 && weight.dim() == 3 && weight.is_contiguous() &&
-                  (weight.size(2) == COLS || weight.size(2) == 2 * COLS),
-              "weight must be contiguous uint8 [N/16, K/2, 16 or 32]");
-  const bool eight_bit = weight.size(2) == 2 * COLS;
-  const int64_t M = x.size(0), K = x.size(1), blocks = weight.size(0), groups = K / GROUP;
-  TORCH_CHECK(K % GROUP == 0 && weight.size(1) * 2 == K, "x has ", K, " inputs, the weight ", weight.size(1) * 2);
-  TORCH_CHECK(scales.dtype() == torch::kHalf && scales.is_contiguous() && scales.dim() == 4 && scales.size(0) == blocks &&
-                  scales.size(1) == groups && scales.size(2) == (eight_bit ? 1 : 2) && scales.size(3) == COLS,
-              "scales must be contiguous float16 [N/16, K/32, parts, 16]");
-  TORCH_CHECK(out_features > (blocks - 1) * COLS && out_features <= blocks * COLS, "out_features does not match the weight");
-  auto out = torch::empty({M, out_features}, x.options().dtype(torch::kFloat32));
-#ifdef POWERINFER_QUANT_MATMUL
-  const std::vector<uint16_t> xb = as_bf16(x);
-  const uint16_t* xs = xb.data();
-  const std::vector<float> sums = eight_bit ? std::vector<float>() : block_sums(xs, M, K);
-  const auto* pairs = reinterpret_cast<const uint32_t*>(xs);
-  const auto* w = weight.data_ptr<uint8_t>();
-  const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  float* y = out.data_ptr<float>();
-  const int64_t row_blocks = (M + MAX_ROWS - 1) / MAX_ROWS;
-  const int64_t w_stride = weight.stride(0), s_stride = scales.stride(0);
-  // Tasks: (output block, row block), row blocks innermost so that they reuse the weights in cache.
-  at::parallel_for(0, blocks * row_blocks, 0, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t nb = t / row_blocks, m0 = (t % row_blocks) * MAX_ROWS;
-      const int rows = static_cast<int>(std::min(MAX_ROWS, M - m0));
-      const int64_t cols = std::min(COLS, out_features - nb * COLS);
-      const auto mask = static_cast<__mmask16>((1u << cols) - 1);
-      const uint32_t* p = pairs + m0 * (K / 2);
-      float* o = y + m0 * out_features + nb * COLS;
-      if (eight_bit) output_block_rows<true>(rows, p, nullptr, K, w + nb * w_stride, s + nb * s_stride, o, out_features, mask);
-      else output_block_rows<false>(rows, p, sums.data() + m0 * groups, K, w + nb * w_stride, s + nb * s_stride, o, out_features, mask);
+torch::Tensor quant_repack(const torch::Tensor& raw, int64_t type) {
+  const BlockFormat& f = block_format(type);
+  TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.size(1) % f.bytes == 0, "raw rows must be uint8 [rows, k * ", f.bytes, "]");
+  const auto rows = raw.contiguous();
+  const PackedLayout l = packed_layout(f);
+  const int64_t n_rows = rows.size(0), n_blocks = rows.size(1) / f.bytes, row_bytes = rows.size(1);
+  auto out = torch::empty({(n_rows + COLS - 1) / COLS, n_blocks, l.bytes}, rows.options());
+  const uint8_t* src = rows.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, out.size(0), 1, [&](int64_t begin, int64_t end) {
+    const uint8_t* blocks[COLS];
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int n = static_cast<int>(std::min(COLS, n_rows - nb * COLS));
+      for (int64_t sb = 0; sb < n_blocks; ++sb) {
+        for (int o = 0; o < n; ++o) blocks[o] = src + (nb * COLS + o) * row_bytes + sb * f.bytes;
+        pack_chunk(f, l, blocks, n, dst + (nb * n_blocks + sb) * l.bytes);
+      }
     }
   });
-#endif
   return out;
 }
 
-void register_quant_matmul(pybind11::module& m) {
-  m.def("quant_matmul_available", &quant_matmul_available, "whether this build has the AVX-512 bfloat16 kernel");
-  m.def("quant_matmul", &quant_matmul, "x @ W.T for Q4_0/Q4_1/Q8_0 weights in the paired layout (float32 out)",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+PreparedInput prepare_input(const float* x, int64_t M, int64_t K) {
+  PreparedInput p{M, K, std::vector<uint16_t>(M * K), std::vector<float>(M * K), std::vector<float>(M * K / QK_SUB),
+                  std::vector<float>(M * K / QK)};
+  for (int64_t i = 0; i < M * K; ++i) {
+    p.bf16[i] = bf16_bits(x[i]);
+    p.f32[i] = bf16_value(p.bf16[i]);
+  }
+  for (int64_t g = 0; g < M * K / QK_SUB; ++g) {
+    float sum = 0.0f;
+    for (int64_t k = 0; k < QK_SUB; ++k) sum += p.f32[g * QK_SUB + k];
+    p.sum16[g] = sum;
+  }
+  for (int64_t g = 0; g < M * K / QK; ++g) p.sum32[g] = p.sum16[2 * g] + p.sum16[2 * g + 1];
+  return p;
 }
+
+namespace scalar {
+
+namespace {
+
+// q - offset of every weight of a chunk, per output: w[o][k] (the plane layouts of quant_matmul.h).
+void unpack_chunk(const BlockFormat& f, const PackedLayout& l, const uint8_t* chunk, float (*w)[QK_K]) {
+  const uint8_t* low = chunk + l.low;
+  for (int64_t p = 0; p < f.n / 2; ++p)
+    for (int o = 0; o < COLS; ++o)
+      if (l.low_bits == 8) {
+        w[o][2 * p] = static_cast<int8_t>(low[p * 2 * COLS + 2 * o]);
+        w[o][2 * p + 1] = static_cast<int8_t>(low[p * 2 * COLS + 2 * o + 1]);
+      } else if (l.low_bits == 4) {
+        w[o][2 * p] = low[p * COLS + o] & 0x0F;
+        w[o][2 * p + 1] = low[p * COLS + o] >> 4;
+      } else {
+        const int shift = 4 * static_cast<int>(p % 2);
+        w[o][2 * p] = (low[(p / 2) * COLS + o] >> shift) & 3;
+        w[o][2 * p + 1] = (low[(p / 2) * COLS + o] >> (shift + 2)) & 3;
+      }
+  for (int64_t p = 0; p < f.n / 2 && l.high_bits > 0; ++p)
+    for (int h = 0; h < l.high_bits; ++h) {
+      uint32_t mask;
+      std::memcpy(&mask, chunk + l.high + (p * l.high_bits + h) * 4, 4);
+      for (int bit = 0; bit < 2 * COLS; ++bit)
+        if ((mask >> bit) & 1) w[bit / 2][2 * p + bit % 2] += static_cast<float>(1 << (l.low_bits + h));
+    }
+  const float offset = l.low_bits == 8 ? 0.0f : static_cast<float>(f.offset);
+  for (int o = 0; o < COLS; ++o)
+    for (int64_t k = 0; k < f.n; ++k) w[o][k] -= offset;
+}
+
+}  // namespace
+
+void quant_output_block(const PackedMatrix& w, int64_t nb, const PreparedInput& x, int64_t m0, int rows, float* out,
+                        int64_t ldc, int cols) {
+  const BlockFormat& f = *w.format;
+  const PackedLayout& l = w.layout;
+  const int64_t n_blocks = x.K / f.n;
+  float values[COLS][QK_K];
+  std::vector<float> acc(static_cast<size_t>(rows) * COLS, 0.0f);
+  for (int64_t sb = 0; sb < n_blocks; ++sb) {
+    const uint8_t* chunk = w.chunks + (nb * n_blocks + sb) * l.bytes;
+    unpack_chunk(f, l, chunk, values);
+    for (int o = 0; o < cols; ++o) {
+      const float d = half_to_float(chunk + l.d + 2 * o);
+      const float dmin = l.dmin >= 0 ? half_to_float(chunk + l.dmin + 2 * o) : 0.0f;
+      for (int64_t j = 0; j < f.n_sub(); ++j) {
+        int sc = 1, mn = 1;
+        if (f.sub_scales) {
+          const uint8_t s = chunk[l.sc + j * COLS + o];
+          sc = l.nibble_scales ? s & 0x0F : static_cast<int8_t>(s);
+          mn = l.nibble_scales ? s >> 4 : l.mn >= 0 ? chunk[l.mn + j * COLS + o] : 1;
+        }
+        const float* v = values[o] + j * f.sub;
+        for (int r = 0; r < rows; ++r) {
+          const float* xr = x.f32.data() + (m0 + r) * x.K + sb * f.n + j * f.sub;
+          float dot = 0.0f;
+          for (int64_t k = 0; k < f.sub; ++k) dot += xr[k] * v[k];
+          const float sum = (f.sub == QK_SUB ? x.sum16 : x.sum32)[(m0 + r) * (x.K / f.sub) + sb * f.n_sub() + j];
+          acc[r * COLS + o] += d * static_cast<float>(sc) * dot + (f.has_min ? dmin * static_cast<float>(mn) * sum : 0.0f);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) std::memcpy(out + r * ldc, acc.data() + r * COLS, cols * sizeof(float));
+}
+
+}  // namespace scalar
+
+namespace {
+
+OutputBlockKernel kernel_for(Isa isa) {
+  switch (isa) {
+#ifdef POWERINFER_X86
+    case Isa::AVX512: return avx512::quant_output_block;
+    case Isa::AVX2: return avx2::quant_output_block;
+#endif
+    default: return scalar::quant_output_block;
+  }
+}
+
+}  // namespace
+
+QuantProjection::QuantProjection(std::vector<torch::Tensor> chunks_, std::vector<int64_t> types_, std::vector<int64_t> rows_)
+    : chunks(std::move(chunks_)), types(std::move(types_)), rows(std::move(rows_)), out_features(0) {
+  TORCH_CHECK(!chunks.empty() && chunks.size() == types.size() && chunks.size() == rows.size(), "one type and row count per matrix");
+  in_features = -1;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const BlockFormat& f = block_format(types[i]);
+    const torch::Tensor& c = chunks[i];
+    TORCH_CHECK(c.dtype() == torch::kUInt8 && c.dim() == 3 && c.is_contiguous() && c.size(2) == packed_layout(f).bytes &&
+                    c.size(0) == (rows[i] + COLS - 1) / COLS,
+                "packed matrix ", i, " does not have the layout of its type (quant_repack's output)");
+    const int64_t k = c.size(1) * f.n;
+    TORCH_CHECK(in_features < 0 || in_features == k, "matrices of one projection differ in input size");
+    in_features = k;
+    out_features += rows[i];
+  }
+}
+
+torch::Tensor QuantProjection::operator()(const torch::Tensor& x) const {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "x must be [rows, ", in_features, "]");
+  const auto xf = x.to(torch::kFloat32).contiguous();
+  const int64_t M = xf.size(0);
+  const PreparedInput input = prepare_input(xf.data_ptr<float>(), M, in_features);
+  auto out = torch::empty({M, out_features}, xf.options());
+  std::vector<PackedMatrix> matrices;
+  std::vector<int64_t> first_task;  // per matrix: its first task; tasks: (output block, row block)
+  const int64_t row_blocks = (M + TASK_ROWS - 1) / TASK_ROWS;
+  int64_t tasks = 0, column = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const BlockFormat& f = block_format(types[i]);
+    matrices.push_back({&f, packed_layout(f), chunks[i].data_ptr<uint8_t>(), rows[i], column});
+    first_task.push_back(tasks);
+    tasks += chunks[i].size(0) * row_blocks;
+    column += rows[i];
+  }
+  const OutputBlockKernel kernel = kernel_for(active_isa());
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, tasks, 0, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const size_t i = std::upper_bound(first_task.begin(), first_task.end(), t) - first_task.begin() - 1;
+      const PackedMatrix& w = matrices[i];
+      const int64_t local = t - first_task[i], nb = local / row_blocks, m0 = (local % row_blocks) * TASK_ROWS;
+      const int n_rows = static_cast<int>(std::min(TASK_ROWS, M - m0));
+      const int cols = static_cast<int>(std::min(COLS, w.rows - nb * COLS));
+      kernel(w, nb, input, m0, n_rows, y + m0 * out_features + w.column + nb * COLS, out_features, cols);
+    }
+  });
+  return out;
+}
+
+Int4Projection::Int4Projection(torch::Tensor packed_, torch::Tensor scale_zero_, int64_t out_features_, int64_t repeats_)
+    : packed(std::move(packed_)), scale_zero(std::move(scale_zero_)), out_features(out_features_), repeats(repeats_) {}
+
+torch::Tensor Int4Projection::operator()(const torch::Tensor& x) const {
+  torch::Tensor input = x.to(torch::kBFloat16);
+  if (repeats > 1) input = torch::cat(std::vector<torch::Tensor>(repeats, input), 1);
+  torch::Tensor y = at::_weight_int4pack_mm_for_cpu(input, packed, QK, scale_zero);
+  return y.size(1) == out_features ? y : y.narrow(1, 0, out_features);
+}
+
+}  // namespace powerinfer

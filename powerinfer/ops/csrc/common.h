@@ -1,0 +1,74 @@
+// What every native operator shares: the activation numbering, block sizes, GGML type ids, the
+// instruction-set dispatch, and small helpers.
+//
+// Instruction sets. The translation units are compiled for the baseline x86-64 (a wheel must run
+// on any x86-64 CPU); kernels for newer CPUs sit in regions opened with POWERINFER_TARGET_AVX512 /
+// POWERINFER_TARGET_AVX2 and closed with POWERINFER_TARGET_END, and are chosen once at run time
+// from the CPU's features (`active_isa()`). Such a region comes after every #include, holds only
+// our own code and intrinsics (library code instantiated inside would be compiled for that target
+// and could be picked by the linker for every caller), and its functions live in the namespace of
+// their instruction set.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace powerinfer {
+
+// FFN activations, for every kernel and for Python (bindings.cpp exports them as `Activation`, by
+// the names of powerinfer.config.FFNActivation). Gated ones compute act(gate) * up.
+enum class Activation : int64_t { RELU_GATED = 0, SILU_GATED = 1, GELU_GATED = 2, DRELU = 3, RELU = 4, GELU = 5 };
+
+inline bool is_gated(Activation a) { return a != Activation::RELU && a != Activation::GELU; }
+
+// GGML's tensor type ids (ggml.h, as the gguf package numbers them).
+enum class GgmlType : int64_t { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11,
+                                Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+constexpr int64_t QK = 32;     // weights per block of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0; x is rounded to int8 per 32
+constexpr int64_t QK_K = 256;  // weights per K-quant super-block
+constexpr int64_t QK_SUB = 16; // the smallest K-quant sub-block (Q2_K, Q3_K, Q6_K; Q4_K and Q5_K use 32)
+
+// Instruction sets, lowest first. AVX512 means F, BW, VL, DQ, VNNI and BF16 together (Cooper Lake,
+// Sapphire Rapids, Zen 4 and later); AVX2 means AVX2, FMA and F16C (Haswell, Zen 1 and later).
+enum class Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+
+Isa detected_isa();       // the best this CPU and OS run
+Isa active_isa();         // the one kernels use: detected, or lower where POWERINFER_ISA says so
+void set_isa(Isa isa);    // switch (tests run each path); refuses one the CPU lacks
+const char* isa_name(Isa isa);
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// float -> bfloat16 bits, rounded to nearest even (what torch's .to(torch.bfloat16) does).
+inline uint16_t bf16_bits(float v) { return c10::BFloat16(v).x; }
+
+inline float bf16_value(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float v;
+  std::memcpy(&v, &wide, 4);
+  return v;
+}
+
+// Reads `bytes` from p into the cache ahead of use (for access the hardware prefetchers miss).
+inline void prefetch(const uint8_t* p, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 3);
+}
+
+}  // namespace powerinfer
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define POWERINFER_X86 1
+#define POWERINFER_TARGET_AVX2 _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c,bmi,bmi2\")")
+#define POWERINFER_TARGET_AVX512 \
+  _Pragma("GCC push_options")    \
+      _Pragma("GCC target(\"avx2,fma,f16c,bmi,bmi2,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16\")")
+#define POWERINFER_TARGET_END _Pragma("GCC pop_options")
+#endif

@@ -1,0 +1,63 @@
+// Which instruction set the kernels use: detected once from the CPU (and whether the OS saves the
+// wider registers, which the compiler's CPU-feature check includes), lowered by POWERINFER_ISA
+// (avx512, avx2 or scalar; a set the CPU lacks, or an unknown name, leaves the detected one).
+#include "common.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+namespace powerinfer {
+namespace {
+
+Isa detect() {
+#ifdef POWERINFER_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16");
+  return avx512 ? Isa::AVX512 : avx2 ? Isa::AVX2 : Isa::SCALAR;
+#else
+  return Isa::SCALAR;
+#endif
+}
+
+Isa from_environment(Isa detected) {
+  const char* wanted = std::getenv("POWERINFER_ISA");
+  if (wanted == nullptr) return detected;
+  for (const Isa isa : {Isa::SCALAR, Isa::AVX2, Isa::AVX512})
+    if (std::string(wanted) == isa_name(isa)) return isa < detected ? isa : detected;
+  return detected;
+}
+
+std::atomic<int>& current() {
+  static std::atomic<int> isa{static_cast<int>(from_environment(detected_isa()))};
+  return isa;
+}
+
+}  // namespace
+
+Isa detected_isa() {
+  static const Isa isa = detect();
+  return isa;
+}
+
+Isa active_isa() { return static_cast<Isa>(current().load(std::memory_order_relaxed)); }
+
+void set_isa(Isa isa) {
+  if (isa > detected_isa())
+    throw std::invalid_argument(std::string("this CPU does not run ") + isa_name(isa) + " (best: " + isa_name(detected_isa()) + ")");
+  current().store(static_cast<int>(isa), std::memory_order_relaxed);
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::AVX512: return "avx512";
+    case Isa::AVX2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+}  // namespace powerinfer
