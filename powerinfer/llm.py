@@ -95,8 +95,9 @@ class LLM:
         self.n_batch = n_batch
         if self.n_ctx < 1:
             raise PowerInferError("n_ctx must be >= 1")
-        if thresholds is not None and len(thresholds) != self.config.n_layers:
-            raise PowerInferError(f"{len(thresholds)} thresholds given for a model of {self.config.n_layers} layers")
+        if thresholds is not None and len(thresholds) != self.config.n_ffn_units:
+            raise PowerInferError(f"{len(thresholds)} thresholds given for a model of {self.config.n_ffn_units} FFNs "
+                                  "(one per layer, or per expert)")
         placed = vram_budget is not None or n_gpu_layers is not None
         if placed and dtype == "float32":
             raise PowerInferError("placing weights on an accelerator needs dtype 'auto' (float32 mode runs on the CPU)")

@@ -39,11 +39,12 @@ def parse_outtype(name: str) -> T:
 
 
 def encode_tensor(name: str, array: np.ndarray, outtype: T) -> TensorData:
-    """Store vectors as F32 and matrices as `outtype`; a matrix whose rows do not split into whole
-    blocks of `outtype` falls back (`storable`: K-quants as llama-quantize does, the others
-    to F16 as llama.cpp's converter does)."""
+    """Store vectors and a mixture of experts' router (ffn_gate_inp: llama.cpp never quantizes it, a
+    rounded router picks other experts) as F32 and matrices as `outtype`; a matrix whose rows do not
+    split into whole blocks of `outtype` falls back (`storable`: K-quants as llama-quantize does, the
+    others to F16 as llama.cpp's converter does)."""
     array = np.ascontiguousarray(array, dtype=np.float32)
-    if array.ndim == 1 or outtype == T.F32:
+    if array.ndim == 1 or outtype == T.F32 or name.endswith("ffn_gate_inp.weight"):
         return TensorData(name, array, T.F32)
     outtype = storable(outtype, array.shape[-1])
     if outtype == T.F16:

@@ -8,9 +8,11 @@ converter does, so our files and llama.cpp's are interchangeable.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from powerinfer.config import ACTIVATION_KEY, HF_GATED_ACTIVATIONS, FFNActivatio
 from powerinfer.convert.model import ModelSource, write_model
 from powerinfer.convert.tokenizer import tokenizer_metadata
 from powerinfer.errors import ModelFileError, UnsupportedModelError
+from powerinfer.models.gemma import llama_cpp_query_scale
 from powerinfer.sparsity.files import load_torch_file
 
 
@@ -79,11 +82,14 @@ def _permute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _rope_metadata(ckpt: HFCheckpoint, arch: str) -> dict[str, Any]:
-    """RoPE base and linear scaling, from `rope_parameters` (transformers >= 5) or `rope_theta` and
-    `rope_scaling` (older configs)."""
+def _rope_metadata(ckpt: HFCheckpoint, arch: str, layer_type: str | None = None) -> dict[str, Any]:
+    """RoPE base and linear scaling, from `rope_parameters` (transformers >= 5; per layer type for
+    Gemma 3, whose `layer_type` "full_attention" is the one llama.cpp's keys describe) or
+    `rope_theta` and `rope_scaling` (older configs)."""
     c = ckpt.config
     params = c.get("rope_parameters") or {}
+    if layer_type is not None:
+        params = params.get(layer_type) or {}
     meta: dict[str, Any] = {f"{arch}.rope.freq_base": float(params.get("rope_theta", c.get("rope_theta", 10000.0)))}
     scaling = c.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -109,14 +115,21 @@ def _gguf_name(ckpt: HFCheckpoint, names: TensorNameMap, hf_name: str) -> str:
     return name
 
 
-def llama_metadata(ckpt: HFCheckpoint) -> tuple[str, dict[str, Any]]:
+def llama_metadata(ckpt: HFCheckpoint, arch: str = "llama") -> tuple[str, dict[str, Any]]:
+    """Metadata of a llama-shaped checkpoint (llama, Mistral, Qwen2, Qwen3), as GGUF architecture `arch`."""
     c = ckpt.config
-    activation = HF_GATED_ACTIVATIONS.get(c.get("hidden_act", "silu"))
+    _reject(ckpt, {"sliding-window attention (use_sliding_window=true)": c.get("use_sliding_window", False)})
+    return arch, {**_decoder_metadata(ckpt, arch, c.get("hidden_act", "silu")), **_rope_metadata(ckpt, arch)}
+
+
+def _decoder_metadata(ckpt: HFCheckpoint, arch: str, hidden_act: str) -> dict[str, Any]:
+    """Shapes, eps and FFN activation of a decoder with RMSNorms and a gated FFN."""
+    c = ckpt.config
+    activation = HF_GATED_ACTIVATIONS.get(hidden_act)
     if activation is None:
-        raise UnsupportedModelError(f"{ckpt.folder}: unsupported hidden_act {c.get('hidden_act')!r}")
+        raise UnsupportedModelError(f"{ckpt.folder}: unsupported hidden activation {hidden_act!r}")
     n_head = c["num_attention_heads"]
     head_dim = c.get("head_dim") or c["hidden_size"] // n_head
-    arch = "llama"
     meta: dict[str, Any] = {
         f"{arch}.context_length": int(c.get("max_position_embeddings", 2048)),
         f"{arch}.embedding_length": int(c["hidden_size"]),
@@ -128,29 +141,155 @@ def llama_metadata(ckpt: HFCheckpoint) -> tuple[str, dict[str, Any]]:
         f"{arch}.rope.dimension_count": int(head_dim),
         f"{arch}.vocab_size": int(c["vocab_size"]),
         ACTIVATION_KEY: activation.value,
-        **_rope_metadata(ckpt, arch),
     }
     if head_dim != c["hidden_size"] // n_head:
         meta[f"{arch}.attention.key_length"] = meta[f"{arch}.attention.value_length"] = int(head_dim)
-    return arch, meta
+    return meta
 
 
-def llama_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
-    """(GGUF name, float32 array) for every weight, Q and K permuted as llama.cpp does."""
+def llama_tensors(ckpt: HFCheckpoint, arch: MODEL_ARCH = MODEL_ARCH.LLAMA,
+                  source: Iterator[tuple[str, torch.Tensor]] | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array) for every weight (of `source`, default the checkpoint's); llama's Q
+    and K rows permuted as llama.cpp does (its RoPE pairs adjacent values; Qwen's, as NeoX, pairs
+    halves and keeps Hugging Face's rows)."""
     c = ckpt.config
     n_head = c["num_attention_heads"]
     n_head_kv = c.get("num_key_value_heads") or n_head
-    names = get_tensor_name_map(MODEL_ARCH.LLAMA, c["num_hidden_layers"])
-    tied = c.get("tie_word_embeddings", False)
-    for hf_name, tensor in ckpt.tensors():
-        if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
-            continue
-        name = _gguf_name(ckpt, names, hf_name)
-        if name.endswith("attn_q.weight"):
+    names = get_tensor_name_map(arch, c["num_hidden_layers"])
+    permute = arch == MODEL_ARCH.LLAMA
+    for name, tensor in _mapped_tensors(ckpt, names, tied_default=False, source=source):
+        if permute and name.endswith("attn_q.weight"):
             tensor = _permute_qk(tensor, n_head)
-        elif name.endswith("attn_k.weight"):
+        elif permute and name.endswith("attn_k.weight"):
             tensor = _permute_qk(tensor, n_head_kv)
         yield name, tensor.numpy()
+
+
+def _mapped_tensors(ckpt: HFCheckpoint, names: TensorNameMap, tied_default: bool,
+                    source: Iterator[tuple[str, torch.Tensor]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(GGUF name, tensor) for every weight (of `source`, default the checkpoint's) but rotary caches
+    and a tied lm_head."""
+    tied = ckpt.config.get("tie_word_embeddings", tied_default)
+    for hf_name, tensor in ckpt.tensors() if source is None else source:
+        if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
+            continue
+        yield _gguf_name(ckpt, names, hf_name), tensor
+
+
+def gemma3_metadata(ckpt: HFCheckpoint) -> tuple[str, dict[str, Any]]:
+    """Gemma 3 as llama.cpp writes it, plus what llama.cpp leaves to assumption (it reads none of
+    it): which layers use the sliding window, their RoPE base, and the query scale where it is not
+    the one llama.cpp assumes; the logits' soft cap where the config has one."""
+    c, arch = ckpt.config, "gemma3"
+    # transformers' Gemma 3 ignores it and llama.cpp's converter refuses it
+    _reject(ckpt, {"attention soft-capping (attn_logit_softcapping)": c.get("attn_logit_softcapping")})
+    meta = {**_decoder_metadata(ckpt, arch, c.get("hidden_activation", "gelu_pytorch_tanh")),
+            **_rope_metadata(ckpt, arch, "full_attention")}
+    n_head, n_layers = c["num_attention_heads"], c["num_hidden_layers"]
+    head_dim = c.get("head_dim") or 256  # Gemma3TextConfig's default
+    meta[f"{arch}.attention.key_length"] = meta[f"{arch}.attention.value_length"] = int(head_dim)
+    meta[f"{arch}.rope.dimension_count"] = int(head_dim)
+    local = (c.get("rope_parameters") or {}).get("sliding_attention") or {}
+    meta[f"{arch}.rope.freq_base_swa"] = float(local.get("rope_theta", c.get("rope_local_base_freq", 10000.0)))
+    period = c.get("sliding_window_pattern", 6)
+    types = c.get("layer_types") or ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                                     for i in range(n_layers)]
+    if "sliding_attention" in types and c.get("sliding_window"):
+        meta[f"{arch}.attention.sliding_window"] = int(c["sliding_window"])
+        meta[f"{arch}.attention.sliding_window_pattern"] = [t == "sliding_attention" for t in types]
+    scale = float(c.get("query_pre_attn_scalar", 256)) ** -0.5
+    if scale != llama_cpp_query_scale(n_layers, c["hidden_size"], n_head, head_dim):
+        meta[f"{arch}.attention.scale"] = scale
+    if c.get("final_logit_softcapping"):
+        meta[f"{arch}.final_logit_softcapping"] = float(c["final_logit_softcapping"])
+    return arch, meta
+
+
+def gemma3_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array) for every weight, norms stored as 1 + w as llama.cpp does (Gemma's
+    RMSNorm multiplies by 1 + w)."""
+    names = get_tensor_name_map(MODEL_ARCH.GEMMA3, ckpt.config["num_hidden_layers"])
+    for name, tensor in _mapped_tensors(ckpt, names, tied_default=True):
+        yield name, (tensor + 1 if name.endswith("norm.weight") else tensor).numpy()
+
+
+def phi3_metadata(ckpt: HFCheckpoint) -> tuple[str, dict[str, Any]]:
+    """Phi-3 as llama.cpp writes it: partial rotary dimensions, the trained context, LongRoPE's
+    magnitude (its frequency factors are tensors: `phi3_tensors`), and the sliding window."""
+    c, arch = ckpt.config, "phi3"
+    meta = _decoder_metadata(ckpt, arch, c.get("hidden_act", "silu"))
+    rope = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or rope
+    hidden, n_head = c["hidden_size"], c["num_attention_heads"]
+    max_positions = int(c.get("max_position_embeddings", 4096))
+    trained = int(c.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+                  or max_positions)
+    meta.update({
+        f"{arch}.rope.dimension_count": int(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) * hidden)
+                                        // n_head,
+        f"{arch}.rope.freq_base": float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+        f"{arch}.rope.scaling.original_context_length": trained,
+    })
+    if c.get("sliding_window"):
+        meta[f"{arch}.attention.sliding_window"] = int(c["sliding_window"])
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in ("longrope", "su"):  # transformers' attention factor: stated, else from the context ratio
+        factor = scaling.get("factor") or max_positions / trained
+        default = math.sqrt(1 + math.log(factor) / math.log(trained)) if factor > 1 else 1.0
+        meta[f"{arch}.rope.scaling.attn_factor"] = float(scaling.get("attention_factor") or default)
+    elif kind not in (None, "default"):
+        raise UnsupportedModelError(f"{ckpt.folder}: unsupported rope_scaling {scaling} (supported: longrope)")
+    return arch, meta
+
+
+def phi3_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array) for every weight, and LongRoPE's long and short factors as tensors."""
+    c = ckpt.config
+    names = get_tensor_name_map(MODEL_ARCH.PHI3, c["num_hidden_layers"])
+    for name, tensor in _mapped_tensors(ckpt, names, tied_default=False):
+        yield name, tensor.numpy()
+    scaling = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    if scaling.get("long_factor"):
+        for kind in ("long", "short"):
+            yield f"rope_factors_{kind}.weight", np.asarray(scaling[f"{kind}_factor"], dtype=np.float32)
+
+
+def mixtral_metadata(ckpt: HFCheckpoint) -> tuple[str, dict[str, Any]]:
+    """Mixtral as llama.cpp writes it: a llama with `expert_count` experts per layer, of which each
+    token uses `expert_used_count`."""
+    c = ckpt.config
+    arch, meta = llama_metadata(ckpt)
+    meta[f"{arch}.expert_count"] = int(c["num_local_experts"])
+    meta[f"{arch}.expert_used_count"] = int(c["num_experts_per_tok"])
+    return arch, meta
+
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+
+
+def mixtral_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
+    """llama's tensors, each layer's experts stacked as llama.cpp stores them: w1 (gate), w3 (up) and w2
+    (down) of every expert into ffn_gate_exps, ffn_up_exps and ffn_down_exps [n_expert, rows, cols]."""
+    n_expert = ckpt.config["num_local_experts"]
+
+    def stacked() -> Iterator[tuple[str, torch.Tensor]]:
+        pending: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # a layer's experts of one kind, until all came
+        for hf_name, tensor in ckpt.tensors():
+            found = _EXPERT.fullmatch(hf_name)
+            if found is None:
+                yield hf_name, tensor
+                continue
+            layer, expert, kind = found.groups()
+            parts = pending.setdefault((layer, kind), {})
+            parts[int(expert)] = tensor
+            if len(parts) == n_expert:
+                del pending[(layer, kind)]
+                stack = torch.stack([parts[e] for e in range(n_expert)])
+                yield f"model.layers.{layer}.block_sparse_moe.experts.{kind}.weight", stack
+        if pending:
+            raise ModelFileError(f"{ckpt.folder}: experts missing in layer {', '.join(sorted({k[0] for k in pending}))}")
+
+    yield from llama_tensors(ckpt, source=stacked())
 
 
 # Falcon's `activation` -> ours. llama.cpp computes GELU with the tanh approximation; so do we.
@@ -205,11 +344,7 @@ def falcon_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
     c = ckpt.config
     n_head, n_head_kv = _falcon_heads(c)
     names = get_tensor_name_map(MODEL_ARCH.FALCON, c["num_hidden_layers"])
-    tied = c.get("tie_word_embeddings", True)
-    for hf_name, tensor in ckpt.tensors():
-        if tied and hf_name == "lm_head.weight":
-            continue
-        name = _gguf_name(ckpt, names, hf_name)
+    for name, tensor in _mapped_tensors(ckpt, names, tied_default=True):
         if name.endswith("attn_qkv.weight"):
             tensor = _falcon_qkv(tensor, n_head, n_head_kv)
         yield name, tensor.numpy()
@@ -269,6 +404,11 @@ def opt_tensors(ckpt: HFCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": (llama_metadata, llama_tensors),
     "MistralForCausalLM": (llama_metadata, llama_tensors),
+    "MixtralForCausalLM": (mixtral_metadata, mixtral_tensors),
+    "Qwen2ForCausalLM": (partial(llama_metadata, arch="qwen2"), partial(llama_tensors, arch=MODEL_ARCH.QWEN2)),
+    "Qwen3ForCausalLM": (partial(llama_metadata, arch="qwen3"), partial(llama_tensors, arch=MODEL_ARCH.QWEN3)),
+    "Gemma3ForCausalLM": (gemma3_metadata, gemma3_tensors),
+    "Phi3ForCausalLM": (phi3_metadata, phi3_tensors),
     "FalconForCausalLM": (falcon_metadata, falcon_tensors),
     "OPTForCausalLM": (opt_metadata, opt_tensors),
 }

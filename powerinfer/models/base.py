@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
@@ -55,6 +56,30 @@ def layer_progress(n_layers: int) -> Iterable[int]:
     return tqdm(range(n_layers), desc="loading", unit="layer", leave=False, disable=None)
 
 
+@dataclass(frozen=True)
+class FFNUnit:
+    """One FFN as profiling, predictor training and placement see it: block `layer`'s FFN, or its
+    expert `expert` in a mixture of experts; `index` numbers units as `ModelConfig.ffn_unit` does."""
+
+    index: int
+    layer: int
+    block: DecoderBlock
+    expert: int | None = None
+
+    @property
+    def ffn(self):
+        return self.block.ffn if self.expert is None else self.block.ffn.experts[self.expert]
+
+    def replace(self, ffn) -> None:
+        """Put `ffn` in this unit's place (placement's hybrid or dense form of it)."""
+        if self.expert is None:
+            self.block.ffn = ffn
+        else:
+            experts = list(self.block.ffn.experts)
+            experts[self.expert] = ffn
+            self.block.ffn = self.block.ffn.with_experts(experts)
+
+
 class DecoderLM(CausalLM):
     """What every architecture shares: the token `embedding`, `blocks` (`DecoderBlock`s, called as
     block(x, spans, cache)), the final norm and the output head: `output.weight`, or the token
@@ -84,6 +109,13 @@ class DecoderLM(CausalLM):
     def cache_devices(self) -> list[torch.device]:
         return [block.device for block in self.blocks]
 
+    def ffn_units(self) -> list[FFNUnit]:
+        """Every FFN unit, in unit order: each block's FFN, or each expert of each block."""
+        c = self.config
+        if not c.n_expert:
+            return [FFNUnit(i, i, block) for i, block in enumerate(self.blocks)]
+        return [FFNUnit(c.ffn_unit(i, e), i, block, e) for i, block in enumerate(self.blocks) for e in range(c.n_expert)]
+
     def embed(self, tokens: torch.Tensor, spans: Sequence[SeqSpan]) -> torch.Tensor:
         return self.embedding(tokens)
 
@@ -101,7 +133,13 @@ class DecoderLM(CausalLM):
             ends = torch.cumsum(torch.tensor([s.length for s in spans]), 0)
             x = x[ends.to(x.device) - 1]
         hidden = self.output_norm(x.to(self.output_device))
-        return (hidden if which == "hidden" else self.output(hidden)).float().cpu()
+        if which == "hidden":
+            return hidden.float().cpu()
+        logits = self.output(hidden).float()
+        if self.config.final_softcap:  # Gemma's soft cap on the logits
+            cap = self.config.final_softcap
+            logits = torch.tanh(logits.div_(cap)).mul_(cap)
+        return logits.cpu()
 
     @property
     def weight_bytes_per_token(self) -> int:

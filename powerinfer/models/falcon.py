@@ -12,8 +12,9 @@ from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.architecture import Architecture
 from powerinfer.models.base import DecoderLM
-from powerinfer.models.ffn import FFNOptions, build_ffn
+from powerinfer.models.ffn import FFNOptions
 from powerinfer.models.layers import Attention, DecoderBlock, LayerNorm, RotaryEmbedding, observe_ffn, projection_builder
+from powerinfer.models.moe import layer_ffn
 from powerinfer.models.tensors import TensorTable, add_attention, add_embedding_and_head, add_ffn, add_norm
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
 
@@ -56,7 +57,7 @@ class FalconModel(DecoderLM):
         norm_2 = f"blk.{i}.attn_norm_2"
         return FalconBlock(LayerNorm.load(gguf, f"blk.{i}.attn_norm", config.norm_eps),
                            LayerNorm.load(gguf, norm_2, config.norm_eps) if f"{norm_2}.weight" in gguf.tensors else None,
-                           attention, build_ffn(gguf, i, config.activation, options))
+                           attention, layer_ffn(gguf, i, config, options))
 
 
 def falcon_tensors(config: ModelConfig) -> TensorTable:

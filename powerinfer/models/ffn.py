@@ -26,13 +26,14 @@ from powerinfer.ops.quant import FLOAT_TYPES, T
 
 SparsityMode = Literal["auto", "off", "oracle"]
 MAX_SPARSE_ROWS = 8  # beyond this many tokens at once (prefill) the FFN runs as masked dense GEMMs
-ACTIVATION_THRESHOLDS_KEY = "powerinfer.activation_thresholds"  # ours: calibrated |a| thresholds per layer
+ACTIVATION_THRESHOLDS_KEY = "powerinfer.activation_thresholds"  # ours: calibrated |a| thresholds per FFN unit
 
 
 @dataclass(frozen=True)
 class FFNTensors:
-    """One layer's FFN weights in the file: `down` is ffn_down [n_embd, n_ff], or, in a PowerInfer
-    GGUF, ffn_down_t [n_ff, n_embd] (`transposed`). Biases (OPT) as float32."""
+    """One FFN's weights in the file: `down` is ffn_down [n_embd, n_ff], or, in a PowerInfer GGUF,
+    ffn_down_t [n_ff, n_embd] (`transposed`). Biases (OPT) as float32. `expert`: which expert of
+    block `layer`'s mixture of experts these are (None: the block's one FFN)."""
 
     layer: int
     activation: FFNActivation
@@ -42,6 +43,7 @@ class FFNTensors:
     transposed: bool
     up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
+    expert: int | None = None
 
     @classmethod
     def read(cls, gguf: GGUFFile, layer: int, activation: FFNActivation) -> FFNTensors:
@@ -49,10 +51,25 @@ class FFNTensors:
         if name("ffn_gate", "bias") in gguf.tensors:
             raise UnsupportedModelError(f"{gguf.path}: FFN gate biases are not supported")
         transposed = name("ffn_down_t") in gguf.tensors
-        return cls(layer, activation, gguf.tensor(name("ffn_gate")) if activation.is_gated else None,
-                   gguf.tensor(name("ffn_up")), gguf.tensor(name("ffn_down_t" if transposed else "ffn_down")), transposed,
+        up, gate = gguf.tensor(name("ffn_up")), None
+        if activation.is_gated:
+            # without ffn_gate, ffn_up holds the gate rows then the up rows (Phi-3's gate_up_proj)
+            gate, up = (gguf.tensor(name("ffn_gate")), up) if name("ffn_gate") in gguf.tensors else halves(up)
+        return cls(layer, activation, gate, up, gguf.tensor(name("ffn_down_t" if transposed else "ffn_down")), transposed,
                    # PowerInfer names OPT's down bias after the tensor it goes with: ffn_down_t.bias in its files
                    _bias(gguf, name("ffn_up", "bias")), _bias(gguf, name("ffn_down", "bias"), name("ffn_down_t", "bias")))
+
+    @classmethod
+    def read_expert(cls, gguf: GGUFFile, layer: int, expert: int, activation: FFNActivation) -> FFNTensors:
+        """Expert `expert` of block `layer`: its matrices in the stacked ffn_gate_exps, ffn_up_exps and
+        ffn_down_exps [n_expert, rows, cols] (llama.cpp's layout)."""
+        part = lambda name: expert_matrix(gguf.tensor(f"blk.{layer}.{name}_exps.weight"), expert)  # noqa: E731
+        return cls(layer, activation, part("ffn_gate") if activation.is_gated else None, part("ffn_up"),
+                   part("ffn_down"), False, None, None, expert)
+
+    @property
+    def n_ff(self) -> int:
+        return self.up.shape[0]
 
     def dense(self, float32: bool = False) -> DenseFFN:
         up = build_linear([self.gate, self.up] if self.gate is not None else [self.up], float32)
@@ -77,8 +94,20 @@ class FFNTensors:
         rows = dequantized(self.down).T.contiguous()
         if self.down.ggml_type in FLOAT_TYPES:
             return rows
-        name = f"blk.{self.layer}.ffn_down_t.weight"
+        name = self.down.name.replace("ffn_down", "ffn_down_t")
         return GGUFTensor(name, T.Q8_0, tuple(rows.shape), quants.quantize(rows.numpy(), T.Q8_0))
+
+
+def halves(tensor: GGUFTensor) -> tuple[GGUFTensor, GGUFTensor]:
+    """The first and second half of a matrix's rows, as tensors of their own (views of the file)."""
+    n = tensor.shape[0] // 2
+    return tuple(GGUFTensor(f"{tensor.name}[{a}:{b}]", tensor.ggml_type, (n, *tensor.shape[1:]), tensor.data[a:b])
+                 for a, b in ((0, n), (n, 2 * n)))
+
+
+def expert_matrix(tensor: GGUFTensor, expert: int) -> GGUFTensor:
+    """Matrix `expert` of a stacked [n_expert, rows, cols] tensor, as a tensor of its own (a view)."""
+    return GGUFTensor(f"{tensor.name}[{expert}]", tensor.ggml_type, tensor.shape[1:], tensor.data[expert])
 
 
 def _bias(gguf: GGUFFile, *names: str) -> torch.Tensor | None:
@@ -87,12 +116,25 @@ def _bias(gguf: GGUFFile, *names: str) -> torch.Tensor | None:
     return None if tensor is None else float_vector(tensor)
 
 
-class DenseFFN:
+class FFN:
+    """What dense and sparse FFNs share: showing their activations to an observer."""
+
+    n_ff: int
+
+    def observed(self, h: torch.Tensor, residual: torch.Tensor, observer, unit: int) -> torch.Tensor:
+        """The output for h, the activations shown to observer(unit, residual, activations) on the way."""
+        a = self.activations(h)
+        observer(unit, residual, a)
+        return self.project(a)
+
+
+class DenseFFN(FFN):
     """The feed-forward block computed for every neuron."""
 
     def __init__(self, up: Linear, down: Linear, activation: FFNActivation, tensors: FFNTensors):
         # `up` holds [gate; up] stacked for gated activations, `up` alone otherwise.
         self.up, self.down, self.activation, self.tensors = up, down, activation, tensors
+        self.n_ff = tensors.n_ff
 
     def activations(self, h: torch.Tensor) -> torch.Tensor:
         return activate(self.up(h), self.activation)
@@ -115,7 +157,7 @@ class DenseFFN:
         return self.up.nbytes + self.down.nbytes
 
 
-class SparseFFN:
+class SparseFFN(FFN):
     """An FFN over per-neuron records that computes only the neurons that fire.
 
     mode "auto": neurons chosen by the predictor, per token; "oracle": every activation is computed
@@ -130,6 +172,7 @@ class SparseFFN:
         self.store, self.activation, self.mode = store, activation, mode
         self.predictor, self.threshold, self.tensors = predictor, threshold, tensors
         self._all = torch.arange(store.n_ff)
+        self.n_ff = store.n_ff
         self.last_active = store.n_ff  # neurons computed in the last call (for statistics)
 
     @staticmethod
@@ -200,7 +243,7 @@ def union(fired: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class FFNOptions:
-    """How FFNs are built. `thresholds`: per-layer |activation| thresholds for oracle mode
+    """How FFNs are built. `thresholds`: per FFN unit |activation| thresholds for oracle mode
     (default: the file's calibrated ones; 0 for ReLU-family models)."""
 
     sparsity: SparsityMode = "auto"
@@ -208,29 +251,31 @@ class FFNOptions:
     thresholds: tuple[float, ...] | None = None
 
 
-def _oracle_threshold(gguf: GGUFFile, layer: int, activation: FFNActivation, options: FFNOptions) -> float:
+def _oracle_threshold(gguf: GGUFFile, unit: int, activation: FFNActivation, options: FFNOptions) -> float:
     if options.thresholds is not None:
-        return float(options.thresholds[layer])
+        return float(options.thresholds[unit])
     calibrated = gguf.get(ACTIVATION_THRESHOLDS_KEY)
     if calibrated:
-        return float(calibrated[layer])
+        return float(calibrated[unit])
     if activation.is_relu_family:
         return 0.0
     raise PowerInferError(f"{gguf.path}: oracle sparsity on a {activation.value} model needs calibrated thresholds "
                           "(run `powerinfer profile` and pass them, or convert with predictors)")
 
 
-def build_ffn(gguf: GGUFFile, layer: int, activation: FFNActivation, options: FFNOptions) -> DenseFFN | SparseFFN:
-    """The FFN of block `layer`: over neuron records when some neurons are to be skipped (or the file
-    stores its down projection per neuron), dense otherwise."""
-    tensors = FFNTensors.read(gguf, layer, activation)
+def build_ffn(gguf: GGUFFile, tensors: FFNTensors, unit: int, options: FFNOptions) -> DenseFFN | SparseFFN:
+    """The FFN made of `tensors`, FFN unit `unit` of the model (`ModelConfig.ffn_unit`): over neuron
+    records when some neurons are to be skipped (or the file stores its down projection per neuron),
+    dense otherwise."""
+    activation = tensors.activation
     predicted = options.sparsity == "auto" and has_predictors(gguf)
     if options.float32 or not (predicted or options.sparsity == "oracle" or tensors.transposed):
         return tensors.dense(options.float32)
     store = tensors.neuron_store()
     if options.sparsity == "oracle":
-        threshold = _oracle_threshold(gguf, layer, activation, options)
+        threshold = _oracle_threshold(gguf, unit, activation, options)
         return SparseFFN(store, activation, "oracle", threshold=threshold, tensors=tensors)
     if predicted:
-        return SparseFFN(store, activation, "auto", predictor=load_predictor(gguf, layer), tensors=tensors)
+        predictor = load_predictor(gguf, tensors.layer, tensors.expert, unit)
+        return SparseFFN(store, activation, "auto", predictor=predictor, tensors=tensors)
     return SparseFFN(store, activation, "off", tensors=tensors)

@@ -1,4 +1,5 @@
-"""The llama family: Llama 1/2/3, Mistral, SmolLM2, Qwen-style dense llamas, ReLU-Llama, Bamboo."""
+"""The llama family: Llama 1/2/3, Mistral, SmolLM2, ReLU-Llama, Bamboo, and Mixtral-style mixtures of
+experts (llama.cpp's `llama` with `expert_count`)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ from typing import Literal
 import torch
 
 from powerinfer.config import RMS_NORM_EPS_KEY, ArchitectureDefaults, FFNActivation, ModelConfig
-from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.architecture import Architecture
 from powerinfer.models.base import DecoderLM
-from powerinfer.models.ffn import DenseFFN, FFNOptions, build_ffn
-from powerinfer.models.layers import Attention, Block, RMSNorm, RotaryEmbedding, projection_builder
-from powerinfer.models.tensors import TensorTable, add_attention, add_embedding_and_head, add_ffn, add_norm
+from powerinfer.models.ffn import DenseFFN, FFNOptions
+from powerinfer.models.layers import Attention, Block, RMSNorm, RotaryEmbedding, attention_options, projection_builder
+from powerinfer.models.moe import layer_ffn
+from powerinfer.models.tensors import rms_decoder_tensors
 from powerinfer.ops import native
 from powerinfer.ops.linear import Int4Linear, Linear, QuantLinear, float_vector
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
@@ -90,7 +91,8 @@ class LlamaBlock(Block):
         ops = native.load()
         a = self.attention
         projections = [a.qkv, a.output] + ([self.ffn.up, self.ffn.down] if isinstance(self.ffn, DenseFFN) else [])
-        if ops is None or not a.rope.interleaved or not all(isinstance(p, (Int4Linear, QuantLinear)) for p in projections):
+        if ops is None or not (a.rope.is_plain and a.options.is_plain) or \
+                not all(isinstance(p, (Int4Linear, QuantLinear)) for p in projections):
             return None
         project = lambda p: _native_projection(ops, p)  # noqa: E731
         dense = isinstance(self.ffn, DenseFFN)
@@ -110,27 +112,33 @@ def _native_projection(ops, linear: Linear):
 
 
 class LlamaModel(DecoderLM):
+    """Llama blocks; subclasses change how RoPE pairs values (`ROPE_INTERLEAVED`) and which
+    tensors hold Q, K and V (`qkv_names`)."""
+
     norm = RMSNorm
+    ROPE_INTERLEAVED = True  # llama.cpp's converter permutes llama's Q and K rows for adjacent pairs
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig, n_ctx: int, options: FFNOptions = FFNOptions()):
-        if config.rope_dim != config.head_dim:
-            raise UnsupportedModelError(f"{gguf.path}: partial rotary embedding is not supported for llama")
-        freq_factors = gguf.tensors.get("rope_freqs.weight")
-        self.rope = RotaryEmbedding(
-            config.head_dim, n_ctx, config.rope_freq_base, config.rope_scale,
-            freq_factors=float_vector(freq_factors) if freq_factors is not None else None,
-        )
+        self.rope = self.build_rope(gguf, config, n_ctx)
         super().__init__(gguf, config, options)
+
+    def build_rope(self, gguf: GGUFFile, config: ModelConfig, n_ctx: int) -> RotaryEmbedding:
+        freq_factors = gguf.tensors.get("rope_freqs.weight")
+        return RotaryEmbedding(config.head_dim, n_ctx, config.rope_freq_base, config.rope_scale,
+                               freq_factors=float_vector(freq_factors) if freq_factors is not None else None,
+                               interleaved=self.ROPE_INTERLEAVED, rope_dim=config.rope_dim)
+
+    def qkv_names(self, i: int) -> tuple[str, ...]:
+        return tuple(f"blk.{i}.{name}.weight" for name in ("attn_q", "attn_k", "attn_v"))
 
     def build_block(self, gguf: GGUFFile, i: int, options: FFNOptions) -> LlamaBlock:
         config = self.config
         linear = projection_builder(gguf, options.float32)
-        t = lambda name: f"blk.{i}.{name}.weight"  # noqa: E731
-        attention = Attention(i, linear(t("attn_q"), t("attn_k"), t("attn_v")), linear(t("attn_output")),
-                              config.n_head, config.n_head_kv, config.head_dim, self.rope)
+        attention = Attention(i, linear(*self.qkv_names(i)), linear(f"blk.{i}.attn_output.weight"), config.n_head,
+                              config.n_head_kv, config.head_dim, self.rope, attention_options(gguf, i, config))
         return LlamaBlock(RMSNorm.load(gguf, f"blk.{i}.attn_norm", config.norm_eps), attention,
                           RMSNorm.load(gguf, f"blk.{i}.ffn_norm", config.norm_eps),
-                          build_ffn(gguf, i, config.activation, options))
+                          layer_ffn(gguf, i, config, options))
 
     def forward(self, tokens: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache,
                 which: Literal["all", "last"] = "last") -> torch.Tensor:
@@ -147,23 +155,10 @@ class LlamaModel(DecoderLM):
         return self.logits(x, spans, which)
 
 
-def llama_tensors(config: ModelConfig) -> TensorTable:
-    table = TensorTable()
-    add_embedding_and_head(table, config)
-    table.add("rope_freqs.weight", (config.head_dim // 2,), required=False)
-    for i in range(config.n_layers):
-        prefix = f"blk.{i}."
-        add_norm(table, f"{prefix}attn_norm", config)
-        add_attention(table, prefix, config)
-        add_norm(table, f"{prefix}ffn_norm", config)
-        add_ffn(table, prefix, config)
-    return table
-
-
 ARCHITECTURES = (
     # llama.cpp's `llama` is SiLU-gated; PowerInfer's sparse llamas are ReLU-Llama (ReGLU)
     Architecture(("llama",), LlamaModel, ArchitectureDefaults(RMS_NORM_EPS_KEY, FFNActivation.SILU_GATED,
-                                                              FFNActivation.RELU_GATED), llama_tensors),
+                                                              FFNActivation.RELU_GATED), rms_decoder_tensors),
     Architecture(("bamboo",), LlamaModel, ArchitectureDefaults(RMS_NORM_EPS_KEY, FFNActivation.DRELU,
-                                                               FFNActivation.DRELU), llama_tensors),
+                                                               FFNActivation.DRELU), rms_decoder_tensors),
 )

@@ -13,8 +13,9 @@ from powerinfer.errors import PowerInferError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.architecture import Architecture
 from powerinfer.models.base import DecoderLM
-from powerinfer.models.ffn import FFNOptions, build_ffn
+from powerinfer.models.ffn import FFNOptions
 from powerinfer.models.layers import Attention, Block, Embedding, LayerNorm, projection_builder
+from powerinfer.models.moe import layer_ffn
 from powerinfer.models.tensors import TensorTable, add_attention, add_embedding_and_head, add_ffn, add_norm
 from powerinfer.runtime.kv_cache import SeqSpan
 
@@ -37,7 +38,7 @@ class OPTModel(DecoderLM):
         attention = Attention(i, linear(t("attn_q"), t("attn_k"), t("attn_v")), linear(t("attn_output")),
                               config.n_head, config.n_head_kv, config.head_dim, rope=None)
         return Block(LayerNorm.load(gguf, f"blk.{i}.attn_norm", config.norm_eps), attention,
-                     LayerNorm.load(gguf, f"blk.{i}.ffn_norm", config.norm_eps), build_ffn(gguf, i, config.activation, options))
+                     LayerNorm.load(gguf, f"blk.{i}.ffn_norm", config.norm_eps), layer_ffn(gguf, i, config, options))
 
     def embed(self, tokens: torch.Tensor, spans: Sequence[SeqSpan]) -> torch.Tensor:
         positions = torch.cat([torch.arange(s.start, s.end) for s in spans]) + POSITION_OFFSET

@@ -1,4 +1,5 @@
-"""PowerInfer's per-layer activation predictor, read from a PowerInfer GGUF (`blk.N.fc1`, `blk.N.fc2`)."""
+"""PowerInfer's per-layer activation predictor, read from a PowerInfer GGUF (`blk.N.fc1`, `blk.N.fc2`;
+per expert of a mixture of experts `blk.N.fc1.E`, `blk.N.fc2.E`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from powerinfer.gguf.reader import GGUFFile
 from powerinfer.ops.linear import DenseLinear, Linear, build_linear, dequantized
 from powerinfer.ops.quant import FLOAT_TYPES
 
-LAYER_THRESHOLDS_KEY = "powerinfer.layer_sparse_thresholds"  # ours: predictor score thresholds per layer
+LAYER_THRESHOLDS_KEY = "powerinfer.layer_sparse_thresholds"  # ours: predictor score thresholds per FFN unit
 SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"  # PowerInfer's: one predictor score threshold
 
 
@@ -40,14 +41,24 @@ class Predictor:
         return self.fc1.nbytes + self.fc2.nbytes
 
 
+def predictor_name(layer: int, part: str, expert: int | None = None) -> str:
+    """The tensor of predictor part "fc1" or "fc2" for block `layer`'s FFN (PowerInfer's name) or, in
+    a mixture of experts, for its expert `expert` (the expert's number after the part, as llama.cpp
+    numbers per-expert tensors)."""
+    return f"blk.{layer}.{part}.weight" if expert is None else f"blk.{layer}.{part}.{expert}.weight"
+
+
 def has_predictors(gguf: GGUFFile) -> bool:
-    return "blk.0.fc1.weight" in gguf.tensors
+    return predictor_name(0, "fc1") in gguf.tensors or predictor_name(0, "fc1", 0) in gguf.tensors
 
 
-def load_predictor(gguf: GGUFFile, layer: int) -> Predictor:
+def load_predictor(gguf: GGUFFile, layer: int, expert: int | None = None, unit: int | None = None) -> Predictor:
+    """The predictor of block `layer`'s FFN (or its expert `expert`); `unit`: its index among the
+    model's FFN units, which the per-unit thresholds follow (default: `layer`)."""
     thresholds = gguf.get(LAYER_THRESHOLDS_KEY)
-    threshold = float(thresholds[layer]) if thresholds else float(gguf.get(SPARSE_THRESHOLD_KEY, 0.0))
-    fc1, fc2 = (gguf.tensor(f"blk.{layer}.{name}.weight") for name in ("fc1", "fc2"))
+    unit = layer if unit is None else unit
+    threshold = float(thresholds[unit]) if thresholds else float(gguf.get(SPARSE_THRESHOLD_KEY, 0.0))
+    fc1, fc2 = (gguf.tensor(predictor_name(layer, part, expert)) for part in ("fc1", "fc2"))
     if fc1.ggml_type in FLOAT_TYPES and fc2.ggml_type in FLOAT_TYPES:
         return Predictor.from_weights(dequantized(fc1), dequantized(fc2), threshold)
     # quantized, as PowerInfer's own quantizer writes them (Q4_0): kept compact, on our kernels

@@ -6,11 +6,11 @@ from __future__ import annotations
 from powerinfer.config import ModelConfig
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
-from powerinfer.models import falcon, llama, opt
+from powerinfer.models import falcon, gemma, llama, opt, phi3, qwen
 from powerinfer.models.architecture import Architecture
 
 ARCHITECTURES: dict[str, Architecture] = {
-    name: arch for module in (llama, falcon, opt) for arch in module.ARCHITECTURES for name in arch.names
+    name: arch for module in (llama, qwen, gemma, phi3, falcon, opt) for arch in module.ARCHITECTURES for name in arch.names
 }
 
 

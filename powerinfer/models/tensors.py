@@ -71,13 +71,19 @@ def add_norm(table: TensorTable, name: str, config: ModelConfig, bias: bool = Fa
         table.add(f"{name}.bias", (config.n_embd,), required)
 
 
-def add_ffn(table: TensorTable, prefix: str, config: ModelConfig) -> None:
-    """Gate (gated activations), up and down (or PowerInfer's ffn_down_t, one row per neuron), their
-    optional biases, and the optional predictor (fc1, fc2: any rank)."""
+def add_ffn(table: TensorTable, prefix: str, config: ModelConfig, fused_gate_up: bool = False) -> None:
+    """Gate (gated activations; with `fused_gate_up` its rows come first in ffn_up, as Phi-3 stores
+    them), up and down (or PowerInfer's ffn_down_t, one row per neuron), their optional biases, and
+    the optional predictor (fc1, fc2: any rank). A mixture of experts has its router and experts
+    instead (`add_experts`)."""
+    if config.n_expert:
+        add_experts(table, prefix, config)
+        return
     d, n_ff = config.n_embd, config.n_ff
-    if config.activation.is_gated:
+    gated = config.activation.is_gated
+    if gated and not fused_gate_up:
         table.add(f"{prefix}ffn_gate.weight", (n_ff, d))
-    table.add(f"{prefix}ffn_up.weight", (n_ff, d))
+    table.add(f"{prefix}ffn_up.weight", (2 * n_ff if gated and fused_gate_up else n_ff, d))
     table.add(f"{prefix}ffn_up.bias", (n_ff,), required=False)
     table.add_one_of({f"{prefix}ffn_down.weight": (d, n_ff), f"{prefix}ffn_down_t.weight": (n_ff, d)})
     table.add(f"{prefix}ffn_down.bias", (d,), required=False)
@@ -86,8 +92,53 @@ def add_ffn(table: TensorTable, prefix: str, config: ModelConfig) -> None:
     table.add(f"{prefix}fc2.weight", (n_ff, None), required=False)
 
 
+def add_experts(table: TensorTable, prefix: str, config: ModelConfig) -> None:
+    """A mixture of experts as llama.cpp stores it: the router ffn_gate_inp [n_expert, n_embd] and the
+    experts' matrices stacked, ffn_{gate,up}_exps [n_expert, n_ff, n_embd] and ffn_down_exps
+    [n_expert, n_embd, n_ff]; optional predictors per expert (fc1.E, fc2.E)."""
+    d, n_ff, n = config.n_embd, config.n_ff, config.n_expert
+    table.add(f"{prefix}ffn_gate_inp.weight", (n, d))
+    if config.activation.is_gated:
+        table.add(f"{prefix}ffn_gate_exps.weight", (n, n_ff, d))
+    table.add(f"{prefix}ffn_up_exps.weight", (n, n_ff, d))
+    table.add(f"{prefix}ffn_down_exps.weight", (n, d, n_ff))
+    for e in range(n):
+        table.add(f"{prefix}fc1.{e}.weight", (None, d), required=False)
+        table.add(f"{prefix}fc2.{e}.weight", (n_ff, None), required=False)
+
+
+def add_head_norms(table: TensorTable, prefix: str, config: ModelConfig) -> None:
+    """attn_q_norm and attn_k_norm: RMSNorms over one head (Qwen3, Gemma 3)."""
+    for name in ("attn_q_norm", "attn_k_norm"):
+        table.add(f"{prefix}{name}.weight", (config.head_dim,))
+
+
 def add_embedding_and_head(table: TensorTable, config: ModelConfig, norm_bias: bool = False) -> None:
     """Token embedding, final norm and output head (absent when tied to the embedding)."""
     table.add("token_embd.weight", (config.n_vocab, config.n_embd))
     add_norm(table, "output_norm", config, bias=norm_bias)
     table.add("output.weight", (config.n_vocab, config.n_embd), required=False)
+
+
+def rms_decoder_tensors(config: ModelConfig, head_norms: bool = False, fused: bool = False,
+                        post_norms: bool = False) -> TensorTable:
+    """The llama family's tensors (RMSNorms before attention and FFN): with per-head Q and K norms
+    (`head_norms`), fused attn_qkv and gate-up (`fused`, Phi-3), and norms after attention and FFN
+    (`post_norms`, Gemma 3)."""
+    table = TensorTable()
+    add_embedding_and_head(table, config)
+    table.add("rope_freqs.weight", (config.rope_dim // 2,), required=False)
+    for name in ("rope_factors_long", "rope_factors_short"):
+        table.add(f"{name}.weight", (config.rope_dim // 2,), required=False)
+    for i in range(config.n_layers):
+        prefix = f"blk.{i}."
+        add_norm(table, f"{prefix}attn_norm", config)
+        add_attention(table, prefix, config, fused=fused)
+        if head_norms:
+            add_head_norms(table, prefix, config)
+        add_norm(table, f"{prefix}ffn_norm", config)
+        if post_norms:
+            add_norm(table, f"{prefix}post_attention_norm", config)
+            add_norm(table, f"{prefix}post_ffw_norm", config)
+        add_ffn(table, prefix, config, fused_gate_up=fused)
+    return table

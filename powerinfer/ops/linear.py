@@ -24,7 +24,7 @@ from __future__ import annotations
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from functools import cache
+from functools import cache, reduce
 
 import numpy as np
 import torch
@@ -257,7 +257,7 @@ class ConcatLinear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         outputs = [part(x) for part in self.parts]
-        dtype = torch.promote_types(*(o.dtype for o in outputs)) if len({o.dtype for o in outputs}) > 1 else outputs[0].dtype
+        dtype = reduce(torch.promote_types, (o.dtype for o in outputs))  # any number of parts
         return torch.cat([o.to(dtype) for o in outputs], dim=-1)
 
     @property

@@ -13,20 +13,25 @@ import torch
 from powerinfer.models.base import DecoderLM
 from powerinfer.models.ffn import DenseFFN, SparseFFN
 from powerinfer.models.hybrid_ffn import HybridFFN
+from powerinfer.models.moe import MoEFFN
 from powerinfer.placement.spec import Placement
 
 
 def apply_placement(model: DecoderLM, placement: Placement) -> None:
-    """Move what `placement` names to its device, in place."""
+    """Move what `placement` names to its device, in place. Its plan gives hot neurons per FFN unit:
+    a layer's FFN, or an expert of a mixture (whose router stays on the CPU: there its experts
+    take their input, whatever device holds the block)."""
     device = placement.device
     for i, block in enumerate(model.blocks):
         if placement.offloads(i):
             block.to(device)
         if i in placement.whole:
             block.ffn = _dense(block.ffn).to(device)
-        elif placement.splits(i):
-            hot = torch.from_numpy(placement.plan.hot[i]).long()
-            block.ffn = HybridFFN(_sparse(block.ffn), hot, device, offloaded=placement.offloads(i))
+    for unit in model.ffn_units():
+        offloaded = placement.offloads(unit.layer) and unit.expert is None
+        if unit.layer not in placement.whole and (placement.has_hot(unit.index) or offloaded):
+            hot = torch.from_numpy(placement.plan.hot[unit.index]).long()
+            unit.replace(HybridFFN(_sparse(unit.ffn), hot, device, offloaded=offloaded))
     if placement.dense.output:
         model.output_to(device)
 
@@ -35,5 +40,7 @@ def _sparse(ffn: DenseFFN | SparseFFN) -> SparseFFN:
     return ffn if isinstance(ffn, SparseFFN) else ffn.sparse()
 
 
-def _dense(ffn: DenseFFN | SparseFFN) -> DenseFFN:
+def _dense(ffn: DenseFFN | SparseFFN | MoEFFN) -> DenseFFN | MoEFFN:
+    if isinstance(ffn, MoEFFN):
+        return ffn.with_experts([_dense(e) for e in ffn.experts])
     return ffn if isinstance(ffn, DenseFFN) else ffn.tensors.dense()

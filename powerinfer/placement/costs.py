@@ -13,6 +13,8 @@ import torch
 
 from powerinfer.config import ModelConfig
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
+from powerinfer.models.ffn import FFNTensors
+from powerinfer.models.moe import ffn_unit_tensors
 from powerinfer.ops.linear import PACK_BLOCK_N
 from powerinfer.ops.neuron import RECORD_ALIGN, record_row_bytes
 from powerinfer.ops.quant import FLOAT_TYPES, QK, T
@@ -20,7 +22,9 @@ from powerinfer.ops.quant import FLOAT_TYPES, QK, T
 GiB = 1 << 30
 KV_BYTES_PER_VALUE = 2  # the accelerator holds its KV cache in float16
 INT4_GROUP_BYTES = QK // 2 + 4  # the int4 kernels: 32 nibbles, a bfloat16 scale and a bfloat16 offset
-FFN_NEURON_PARTS = ("ffn_gate", "ffn_up", "ffn_down", "ffn_down_t")  # weights and biases stay with the CPU store
+# weights and biases stay with the CPU store; so do a mixture of experts' experts and router
+FFN_NEURON_PARTS = ("ffn_gate", "ffn_up", "ffn_down", "ffn_down_t", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
+                    "ffn_gate_inp")
 PREDICTOR_PARTS = ("fc1", "fc2")
 ATTENTION_PROJECTIONS = (("attn_q", "attn_k", "attn_v"), ("attn_qkv",), ("attn_output",))  # one projection each
 
@@ -39,7 +43,7 @@ class Speeds:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Per layer: neurons and bytes of one neuron record (gate, up and down rows as the neuron
+    """Per FFN unit (`ModelConfig.ffn_unit`): neurons and bytes of one neuron record (gate, up and down rows as the neuron
     store lays them out, which is also what the accelerator holds)."""
 
     n_ff: tuple[int, ...]
@@ -47,6 +51,7 @@ class ModelShape:
 
     @property
     def n_layers(self) -> int:
+        """FFN units: layers, or (layer, expert) pairs in a mixture of experts."""
         return len(self.n_ff)
 
     @property
@@ -77,48 +82,42 @@ def linear_bytes(tensors: Sequence[GGUFTensor]) -> int:
     return rows * _projection_row_bytes(first.ggml_type, first.shape[1])
 
 
-def neuron_record_bytes(gguf: GGUFFile, layer: int, gated: bool) -> int:
-    tensor = lambda part: gguf.tensors.get(f"blk.{layer}.{part}.weight")  # noqa: E731
-    rows = [tensor("ffn_gate"), tensor("ffn_up")] if gated else [tensor("ffn_up")]
+def neuron_record_bytes(ffn: FFNTensors) -> int:
+    rows = [ffn.gate, ffn.up] if ffn.gate is not None else [ffn.up]
     total = sum(record_row_bytes(t.ggml_type, t.shape[1]) for t in rows)
-    down_t = tensor("ffn_down_t")
-    if down_t is not None:
-        total += record_row_bytes(down_t.ggml_type, down_t.shape[1])
+    down = ffn.down
+    if ffn.transposed:
+        total += record_row_bytes(down.ggml_type, down.shape[1])
     else:  # ffn_down transposed: float32 for float files, else re-encoded as Q8_0 (`ffn.down_rows`)
-        down = tensor("ffn_down")
         total += record_row_bytes(T.F32 if down.ggml_type in FLOAT_TYPES else T.Q8_0, down.shape[0])
     return -(-total // RECORD_ALIGN) * RECORD_ALIGN
 
 
-def neuron_kernel_bytes(gguf: GGUFFile, layer: int, gated: bool) -> int:
+def neuron_kernel_bytes(ffn: FFNTensors) -> int:
     """Bytes of one neuron as a CUDA accelerator holds it (`runtime.hybrid.KernelNeurons`): its gate
     and up rows as projection rows, its down row in float16 (float32 for float files)."""
-    tensor = lambda part: gguf.tensors.get(f"blk.{layer}.{part}.weight")  # noqa: E731
-    rows = [tensor("ffn_gate"), tensor("ffn_up")] if gated else [tensor("ffn_up")]
-    down_t, down = tensor("ffn_down_t"), tensor("ffn_down")
-    float_down = (down_t if down_t is not None else down).ggml_type in FLOAT_TYPES
-    n_embd = down_t.shape[1] if down_t is not None else down.shape[0]
+    rows = [ffn.gate, ffn.up] if ffn.gate is not None else [ffn.up]
+    float_down = ffn.down.ggml_type in FLOAT_TYPES
+    n_embd = ffn.down.shape[1] if ffn.transposed else ffn.down.shape[0]
     as_held = lambda t: T.F32 if t.ggml_type in FLOAT_TYPES else t.ggml_type  # noqa: E731  (records hold floats as float32)
     return sum(_projection_row_bytes(as_held(t), t.shape[1]) for t in rows) + n_embd * (4 if float_down else 2)
 
 
-def dense_ffn_bytes(gguf: GGUFFile, layer: int, gated: bool) -> int:
-    """Bytes of a layer's FFN as dense projections on an accelerator (`FFNTensors.dense`, moved whole
-    by layer offload): gate and up stacked, and the down projection (from PowerInfer's transposed
+def dense_ffn_bytes(ffn: FFNTensors) -> int:
+    """Bytes of an FFN as dense projections on an accelerator (`FFNTensors.dense`, moved whole by
+    layer offload): gate and up stacked, and the down projection (from PowerInfer's transposed
     ffn_down_t: float32)."""
-    tensor = lambda part: gguf.tensors.get(f"blk.{layer}.{part}.weight")  # noqa: E731
-    up = linear_bytes([tensor("ffn_gate"), tensor("ffn_up")] if gated else [tensor("ffn_up")])
-    down_t = tensor("ffn_down_t")
-    return up + (down_t.n_elements * 4 if down_t is not None else linear_bytes([tensor("ffn_down")]))
+    up = linear_bytes([ffn.gate, ffn.up] if ffn.gate is not None else [ffn.up])
+    return up + (ffn.down.n_elements * 4 if ffn.transposed else linear_bytes([ffn.down]))
 
 
 def model_shape(gguf: GGUFFile, config: ModelConfig, accelerator: str = "cpu") -> ModelShape:
-    """Neurons and bytes per neuron as an accelerator of type `accelerator` holds them: CUDA in
-    kernel layout, any other (the CPU standing in for one) as neuron-store records."""
-    n_ff = tuple(gguf.tensor(f"blk.{i}.ffn_up.weight").shape[0] for i in range(config.n_layers))
+    """Neurons and bytes per neuron of each FFN unit (each layer's FFN, or each expert) as an
+    accelerator of type `accelerator` holds them: CUDA in kernel layout, any other (the CPU standing
+    in for one) as neuron-store records."""
+    units = ffn_unit_tensors(gguf, config)
     bytes_of = neuron_kernel_bytes if accelerator == "cuda" else neuron_record_bytes
-    sizes = tuple(bytes_of(gguf, i, config.activation.is_gated) for i in range(config.n_layers))
-    return ModelShape(n_ff, sizes)
+    return ModelShape(tuple(u.n_ff for u in units), tuple(bytes_of(u) for u in units))
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 from powerinfer.config import ModelConfig
 from powerinfer.errors import PowerInferError
 from powerinfer.gguf.reader import GGUFFile
+from powerinfer.models.moe import ffn_unit_tensors
 from powerinfer.placement.costs import GiB, DenseParts, ModelShape, Speeds, dense_ffn_bytes, dense_parts, model_shape
 from powerinfer.placement.gpu_index import index_path, load_gpu_index, write_gpu_index
 from powerinfer.placement.solver import DEFAULT_GROUP_SIZE, Plan, plan_from_counts
@@ -176,8 +177,8 @@ def layer_offload(gguf: GGUFFile, config: ModelConfig, n_ctx: int, n_slots: int,
     parts = dense_parts(gguf, config, n_ctx, n_slots)
     layers = frozenset(range(max(0, config.n_layers - n_gpu_layers), config.n_layers))
     output = n_gpu_layers > config.n_layers
-    gated = config.activation.is_gated
-    used = sum(parts.layers[i] + dense_ffn_bytes(gguf, i, gated) for i in layers) + (parts.output if output else 0)
+    ffns = sum(dense_ffn_bytes(u) for u in ffn_unit_tensors(gguf, config) if u.layer in layers)
+    used = sum(parts.layers[i] for i in layers) + ffns + (parts.output if output else 0)
     return Placement(device, no_hot_neurons(model_shape(gguf, config).n_ff), DensePlacement(layers, output, used),
                      whole=layers)
 
@@ -200,5 +201,5 @@ def choose_placement(gguf: GGUFFile, config: ModelConfig, model_path: str | os.P
     else:
         placement = neuron_placement(gguf, config, model_path, n_ctx, n_slots, vram_budget, device,
                                      gpu_index=gpu_index, activations=activations, note=note)
-    note(f"placement on {device}: {placement.summary()}")
+    note(f"placement on {device}: {placement.summary(config.n_layers)}")
     return placement

@@ -46,16 +46,12 @@ class Placement:
         """Whether block `layer`'s dense parts live on the accelerator."""
         return layer in self.dense.layers
 
-    def has_hot(self, layer: int) -> bool:
-        return len(self.plan.hot[layer]) > 0
+    def has_hot(self, unit: int) -> bool:
+        """Whether FFN unit `unit` (a layer's FFN, or an expert: `ModelConfig.ffn_unit`) has neurons there."""
+        return len(self.plan.hot[unit]) > 0
 
-    def splits(self, layer: int) -> bool:
-        """Whether the layer's FFN runs through the hybrid executor (input on the accelerator, or
-        neurons there)."""
-        return layer not in self.whole and (self.has_hot(layer) or self.offloads(layer))
 
-    def summary(self) -> str:
-        n_layers = len(self.plan.hot)
+    def summary(self, n_layers: int) -> str:
         if self.whole:
             head = " and the output head" if self.dense.output else ""
             return f"{len(self.whole)}/{n_layers} layers offloaded whole{head} ({self.dense.bytes_used / (1 << 20):.1f} MiB)"

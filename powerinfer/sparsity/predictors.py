@@ -12,6 +12,9 @@ ours learns from the model's own activations over calibration text:
   are tried from the smallest up, and the search stops at the first R whose next candidate gains less than
   `rank_tolerance` of predicted sparsity (large ranks cost the most to fit, so they are fitted only when they pay);
 - recall, precision and sparsity are reported on the held-out part, which nothing was fitted to.
+
+Predictors are trained per FFN unit (`ModelConfig.ffn_unit`): one per layer, or one per expert of a
+mixture of experts, learnt from the tokens routed to that expert.
 """
 
 from __future__ import annotations
@@ -93,24 +96,28 @@ def _split_sizes(n_chunks: int) -> tuple[int, int, int]:
     return n_chunks - calibration - held_out, calibration, held_out
 
 
-def collect_layers(model: CausalLM, chunks: list[list[int]], layers: Sequence[int],
+def collect_layers(model: CausalLM, chunks: list[list[int]], units: Sequence[int],
                    thresholds: Sequence[float]) -> dict[int, LayerData]:
-    """Run the model over `chunks`, keeping the FFN input and the firing pattern of `layers`."""
-    inputs: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
-    fired: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+    """Run the model over `chunks`, keeping the FFN input and the firing pattern of FFN `units`
+    (each is shown once per chunk: an expert with the rows routed to it, maybe none)."""
+    inputs: dict[int, list[torch.Tensor]] = {i: [] for i in units}
+    fired: dict[int, list[torch.Tensor]] = {i: [] for i in units}
 
-    def keep(layer: int, residual: torch.Tensor, a: torch.Tensor) -> None:
-        if layer in inputs:
-            inputs[layer].append(residual.to(torch.float16))
-            fired[layer].append(a.float().abs() > thresholds[layer])
+    def keep(unit: int, residual: torch.Tensor, a: torch.Tensor) -> None:
+        if unit in inputs:
+            inputs[unit].append(residual.to(torch.float16))
+            fired[unit].append(a.float().abs() > thresholds[unit])
 
     observe_ffn(model, Engine(model, max(len(c) for c in chunks)), chunks, keep,
-                f"collecting layers {layers[0]}-{layers[-1]}")
+                f"collecting FFN units {units[0]}-{units[-1]}")
     n_train, n_calibration, _ = _split_sizes(len(chunks))
     bounds = [0, n_train, n_train + n_calibration, len(chunks)]
     out = {}
-    for i in layers:
+    for i in units:
         parts = [(torch.cat(inputs[i][a:b]), torch.cat(fired[i][a:b])) for a, b in zip(bounds, bounds[1:])]
+        if any(len(x) == 0 for x, _ in parts):
+            raise PowerInferError(f"FFN unit {i} saw no tokens in a part of the text (an expert the router rarely "
+                                  "picks): give more text")
         out[i] = LayerData(tuple(p[0] for p in parts), tuple(p[1] for p in parts))
         inputs[i], fired[i] = [], []
     return out
@@ -196,20 +203,21 @@ def train_layer(layer: int, data: LayerData, options: TrainingOptions) -> tuple[
 def train_predictors(model: CausalLM, ids: Sequence[int], thresholds: Sequence[float], n_tokens: int | None = None,
                      chunk: int = 512, options: TrainingOptions = TrainingOptions(),
                      on_layer: Callable[[LayerReport], None] | None = None) -> tuple[list[TrainedPredictor], list[LayerReport]]:
-    """Predictors for every layer of `model`, learnt from its activations over `ids`; a neuron
-    fires when |activation| > thresholds[layer]."""
+    """Predictors for every FFN unit of `model` (each layer, or each expert), learnt from its
+    activations over `ids`; a neuron fires when |activation| > thresholds[unit]."""
     config = model.config
     chunks = calibration_chunks(ids, n_tokens, chunk)
     _split_sizes(len(chunks))
     n_rows = sum(len(c) for c in chunks)
-    per_layer = n_rows * (2 * config.n_embd + config.n_ff)
-    layers_per_pass = max(1, min(config.n_layers, COLLECT_BYTES // per_layer))
+    per_unit = n_rows * (2 * config.n_embd + config.n_ff)  # an expert sees fewer rows: an upper bound
+    n_units = config.n_ffn_units
+    units_per_pass = max(1, min(n_units, COLLECT_BYTES // per_unit))
     predictors: list[TrainedPredictor] = []
     reports: list[LayerReport] = []
-    for first in range(0, config.n_layers, layers_per_pass):
-        layers = list(range(first, min(first + layers_per_pass, config.n_layers)))
-        collected = collect_layers(model, chunks, layers, thresholds)
-        for i in tqdm(layers, desc="training", unit="layer"):
+    for first in range(0, n_units, units_per_pass):
+        units = list(range(first, min(first + units_per_pass, n_units)))
+        collected = collect_layers(model, chunks, units, thresholds)
+        for i in tqdm(units, desc="training", unit="unit"):
             predictor, report = train_layer(i, collected.pop(i), options)
             predictors.append(predictor)
             reports.append(report)

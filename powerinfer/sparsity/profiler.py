@@ -7,6 +7,8 @@ same text, for a target sparsity (the fraction of neurons skipped per token) or 
 
 Output, PowerInfer's layout: DIR/activation/activation_{i}.pt, a 1-D int64 tensor of length n_ff
 per layer (how often each neuron fired), plus DIR/activation/profile.json with the thresholds.
+In a mixture of experts, i numbers FFN units (`ModelConfig.ffn_unit`: layer * n_expert + expert)
+and an expert's counts are over the tokens routed to it.
 """
 
 from __future__ import annotations
@@ -118,19 +120,19 @@ def calibrate_thresholds(model: CausalLM, engine: Engine, chunks: list[list[int]
     activation = model.config.activation
     if target_sparsity is None and target_error is None:
         raise PowerInferError(f"a {activation.value} model needs --target-sparsity or --target-error to define firing")
-    n_layers = model.config.n_layers
-    histograms = [torch.zeros(HISTOGRAM_BINS) for _ in range(n_layers)]
-    samples: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+    n_units = model.config.n_ffn_units
+    histograms = [torch.zeros(HISTOGRAM_BINS) for _ in range(n_units)]
+    samples: list[list[torch.Tensor]] = [[] for _ in range(n_units)]
     generator = torch.Generator().manual_seed(0)
 
-    def collect(layer: int, residual: torch.Tensor, a: torch.Tensor) -> None:
+    def collect(unit: int, residual: torch.Tensor, a: torch.Tensor) -> None:
         a = a.float()  # int4 kernels give bfloat16: too coarse to count in
         log_magnitude = torch.log2(a.abs().clamp_min(2 ** LOG2_RANGE[0]))
-        histograms[layer] += torch.histc(log_magnitude, HISTOGRAM_BINS, *LOG2_RANGE)
-        kept = sum(len(s) for s in samples[layer])
+        histograms[unit] += torch.histc(log_magnitude, HISTOGRAM_BINS, *LOG2_RANGE)
+        kept = sum(len(s) for s in samples[unit])
         if target_error is not None and kept < ERROR_SAMPLE_ROWS:
             rows = torch.randperm(len(a), generator=generator)[: max(1, ERROR_SAMPLE_ROWS // len(chunks))]
-            samples[layer].append(a[rows].clone())
+            samples[unit].append(a[rows].clone())
 
     observe_ffn(model, engine, chunks, collect, "calibrating")
     if target_error is not None:
@@ -140,9 +142,9 @@ def calibrate_thresholds(model: CausalLM, engine: Engine, chunks: list[list[int]
 
 def firing_thresholds(model: CausalLM, chunks: list[list[int]], target_sparsity: float | None = None,
                       target_error: float | None = None) -> tuple[list[float], float | None]:
-    """0 for ReLU-family models (any non-zero output fires), else calibrated on `chunks`."""
+    """Per FFN unit: 0 for ReLU-family models (any non-zero output fires), else calibrated on `chunks`."""
     if model.config.activation.is_relu_family:
-        return [0.0] * model.config.n_layers, None
+        return [0.0] * model.config.n_ffn_units, None
     return calibrate_thresholds(model, Engine(model, max(len(c) for c in chunks)), chunks, target_sparsity, target_error)
 
 
@@ -151,10 +153,10 @@ def profile_activations(model: CausalLM, ids: Sequence[int], n_tokens: int | Non
     """Count neuron firings over `ids` (calibrating thresholds first for non-ReLU models)."""
     chunks = calibration_chunks(ids, n_tokens, chunk)
     thresholds, target_sparsity = firing_thresholds(model, chunks, target_sparsity, target_error)
-    counts = [torch.zeros(model.config.n_ff, dtype=torch.int64) for _ in range(model.config.n_layers)]
+    counts = [torch.zeros(unit.ffn.n_ff, dtype=torch.int64) for unit in model.ffn_units()]
 
-    def count(layer: int, residual: torch.Tensor, a: torch.Tensor) -> None:
-        counts[layer] += (a.float().abs() > thresholds[layer]).sum(0)
+    def count(unit: int, residual: torch.Tensor, a: torch.Tensor) -> None:
+        counts[unit] += (a.float().abs() > thresholds[unit]).sum(0)
 
     observe_ffn(model, Engine(model, chunk), chunks, count, "profiling")
     return ActivationProfile(model.config.activation.value, sum(len(c) for c in chunks), thresholds, counts,
@@ -165,14 +167,16 @@ def _sparsity_for_error(model: CausalLM, histograms, samples, target_error: floa
     """The largest candidate sparsity whose FFN outputs, on sampled tokens of every layer, keep a
     mean relative error within `target_error`."""
     best = 0.0
+    units = [(unit.ffn, torch.cat(s)) for unit, s in zip(model.ffn_units(), samples)]
     with torch.inference_mode():
-        exact = [block.ffn.project(torch.cat(s)) for block, s in zip(model.blocks, samples)]
+        exact = [ffn.project(a) if len(a) else None for ffn, a in units]
         for sparsity in CANDIDATE_SPARSITIES:
             thresholds = _thresholds_from_histograms(histograms, sparsity)
             errors = []
-            for block, s, y, t in zip(model.blocks, samples, exact, thresholds):
-                a = torch.cat(s)
-                approx = block.ffn.project(a * (a.abs() > t))
+            for (ffn, a), y, t in zip(units, exact, thresholds):
+                if y is None:  # an expert no sampled token was routed to
+                    continue
+                approx = ffn.project(a * (a.abs() > t))
                 errors.append(float(((approx - y).norm(dim=-1) / y.norm(dim=-1).clamp_min(1e-12)).mean()))
             if max(errors) > target_error:
                 break
