@@ -1,7 +1,8 @@
 """The HTTP app: OpenAI-compatible routes, llama.cpp-style routes, health and metrics.
 
 `create_app(llm)` serves a loaded `LLM`; `create_app(factory)` loads one in a background thread at
-startup, answering 503 on /health (and on the model routes) until it is ready.
+startup, answering 503 on /health (and on the model routes) until it is ready. `create_app(...,
+replica=name)` is one of several replicas behind a router (powerinfer/server/ray_app.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from powerinfer.runtime.scheduler import Scheduler
 from powerinfer.server import schemas
 from powerinfer.server.errors import APIError, install_handlers
 from powerinfer.server.generation import ClientGone, Generation
+from powerinfer.server.replica import REPLICA_LABEL, ReplicaHeader, label_series
 from powerinfer.server.replies import OpenAIReply, llama_final, llama_stream, prometheus
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,11 @@ class ServerState:
             raise APIError(404, f"model {name!r} not found (this server runs {self.model_id!r})", param="model",
                            code="model_not_found")
 
+    def health(self) -> tuple[int, str]:
+        if self.llm is None or self.scheduler is None:
+            return 503, "error" if self.load_error else "loading"
+        return 200, "ok"
+
 
 class JSONBodies:
     """Reads every POST body as JSON whatever its Content-Type, as llama.cpp's server does
@@ -74,8 +81,12 @@ class JSONBodies:
 
 
 def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
-               on_load_error: Callable[[Exception], None] | None = None) -> FastAPI:
-    """The server app over `llm` (or a function that loads it), with `parallel` KV-cache slots."""
+               on_load_error: Callable[[Exception], None] | None = None, *, replica: str | None = None) -> FastAPI:
+    """The server app over `llm` (or a function that loads it), with `parallel` KV-cache slots.
+
+    `replica`: this app's name among several serving the same model: every answer carries it in
+    an x-powerinfer-replica header, and /metrics labels its series with it.
+    """
     if parallel < 1:
         raise PowerInferError("parallel must be >= 1")
     state = ServerState(parallel)
@@ -103,6 +114,8 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
     app = FastAPI(title="powerinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     app.add_middleware(JSONBodies)
+    if replica is not None:
+        app.add_middleware(ReplicaHeader, name=replica)
     install_handlers(app)
 
     @app.exception_handler(ClientGone)
@@ -111,14 +124,16 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if state.llm is None:
-            return JSONResponse({"status": "error" if state.load_error else "loading"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        status, word = state.health()
+        return JSONResponse({"status": word}, status_code=status)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         _, scheduler = state.ready()
-        return PlainTextResponse(prometheus(scheduler), media_type="text/plain; version=0.0.4")
+        text = prometheus(scheduler)
+        if replica is not None:
+            text = label_series(text, REPLICA_LABEL, replica)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict:
