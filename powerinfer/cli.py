@@ -24,6 +24,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def unit_interval(text: str) -> float:
     value = float(text)
     if not 0.0 <= value < 1.0:
@@ -80,6 +87,27 @@ def add_hybrid_options(parser: argparse.ArgumentParser) -> None:
     index.add_argument("--disable-gpu-index", action="store_true", help="no neuron split: ignore the GPU index, offload dense parts only")
     parser.add_argument("--accelerator", metavar="DEVICE",
                         help="torch device to offload to (default: cuda when present; cpu runs the split on the CPU)")
+
+
+RAY_OPTIONS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "address", "num_cpus", "num_gpus")
+
+
+def add_ray_options(parser: argparse.ArgumentParser) -> None:
+    """`serve --ray`: the server's app as a Ray Serve deployment (options named in RAY_OPTIONS)."""
+    group = parser.add_argument_group("Ray Serve", "replicas of this server behind Ray Serve's router "
+                                                   "(needs the 'ray' extra: pip install 'powerinfer[ray]')")
+    group.add_argument("--ray", action="store_true", help="serve through Ray Serve, one loaded model per replica")
+    group.add_argument("--replicas", type=positive_int, metavar="N", help="a fixed number of replicas (default: 1)")
+    group.add_argument("--min-replicas", type=non_negative_int, metavar="A", help="autoscaling: fewest replicas (default: 1)")
+    group.add_argument("--max-replicas", type=positive_int, metavar="B", help="autoscaling: most replicas (default: A)")
+    group.add_argument("--target-ongoing-requests", type=positive_float, metavar="T",
+                       help="autoscaling: requests per replica to aim for (default: --parallel)")
+    group.add_argument("--address", metavar="ADDR", help="join this Ray cluster (e.g. 10.0.0.1:6379, or 'auto'); "
+                                                         "default: start a local one bound to 127.0.0.1")
+    group.add_argument("--num-cpus", type=positive_float, metavar="C",
+                       help="CPUs Ray reserves per replica; also its threads unless -t is given (default: 1)")
+    group.add_argument("--num-gpus", type=non_negative_float, metavar="G",
+                       help="GPUs per replica; each replica's --vram-budget is on its own GPU (default: 0)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -139,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 = any free port)")
     serve.add_argument("-np", "--parallel", type=positive_int, default=4,
                        help="sequences decoded together (KV-cache slots); more requests wait in a queue (default: 4)")
+    add_ray_options(serve)
     ppl = commands.add_parser("perplexity", help="perplexity of a text file (llama.cpp's method)")
     add_model_options(ppl)
     ppl.add_argument("-f", "--file", required=True, help="text file (e.g. wikitext-2 test.txt)")

@@ -8,4 +8,4 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[serve,plot,place,test]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[serve,plot,place,ray,test]"
