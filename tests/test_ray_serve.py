@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -305,3 +306,21 @@ def test_proxy_refusals_get_openai_bodies_and_replica_answers_pass():
                                        "param": None, "code": None}
     passed = through_proxy(FakeProxy(replica_answer(b'{"a": ', more=[b"1}"])))
     assert passed.json() == {"a": 1} and passed.headers[REPLICA_HEADER] == "r1"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--replicas", "2"], "--replicas needs --ray"),
+    (["--ray", "--replicas", "2", "--max-replicas", "3"], "--replicas fixes the count"),
+    (["--ray", "--min-replicas", "3", "--max-replicas", "2"], "--max-replicas 2 is below --min-replicas 3"),
+    (["--ray", "--vram-budget", "4"], "--vram-budget with --ray needs --num-gpus"),
+    (["--ray"], "--ray needs the 'ray' extra"),  # with ray made unimportable below
+])
+def test_serve_ray_flags_refused_in_one_line(argv, message, capsys, monkeypatch):
+    from powerinfer.cli import main
+    from powerinfer.server import ray_app
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # bad flags are refused before Ray is needed
+    monkeypatch.setenv(ray_app.LOCAL_ONLY_VARIABLE, "0")  # restored afterwards, whatever serve sets
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
