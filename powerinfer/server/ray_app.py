@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import logging
 import math
 import os
 import signal
@@ -154,6 +156,9 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     local = args.address is None
     started = connect(args.address)
     from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # our own lines say where it listens
 
     print(f"powerinfer serve --ray: {replicas} replica(s) on {'a local Ray' if local else 'the Ray cluster'}; "
           f"loading the model ...", file=sys.stderr)
@@ -167,7 +172,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         return 0
     finally:
         if local and started:
-            serve.shutdown()
-            import_ray(args.address).shutdown()
-        elif serve.status().applications.get(APP_NAME) is not None:
-            serve.delete(APP_NAME)
+            import_ray(args.address).shutdown()  # stops every Ray process it started, the replicas too
+        else:
+            with contextlib.suppress(RayServeException):  # raised when Serve never started
+                serve.delete(APP_NAME)
