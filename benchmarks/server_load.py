@@ -106,8 +106,8 @@ class OtherLoad:
     """The share of the machine's CPU time that processes other than this benchmark and its server
     used while it ran (the machine may be shared: their load slows the runs)."""
 
-    def __init__(self, server_pid: int):
-        self.pids = [os.getpid(), server_pid]
+    def __init__(self, server_pid: int | None = None):
+        self.pids = [os.getpid(), *([server_pid] if server_pid is not None else [])]
         self.start = self._sample()
 
     def _sample(self) -> tuple[int, int, int]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
-from powerinfer.errors import UnsupportedModelError
+from powerinfer.errors import ModelFileError, UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
 
 
@@ -92,17 +94,18 @@ class ModelConfig:
             value = gguf.get(f"{arch}.{name}", default)
             if value is None:
                 return gguf.require(f"{arch}.{name}")
-            return value
+            return _finite_number(gguf, f"{arch}.{name}", value)
 
         n_embd = int(key("embedding_length"))
         n_head = int(key("attention.head_count"))
-        head_dim = int(key("attention.key_length", n_embd // n_head))
+        head_dim = int(key("attention.key_length", n_embd // n_head if n_head > 0 else 0))  # n_head checked below
         tokens = gguf.get("tokenizer.ggml.tokens")
-        n_vocab = int(gguf.get(f"{arch}.vocab_size") or (len(tokens) if tokens else gguf.tensor("token_embd.weight").shape[0]))
+        n_vocab = int(key("vocab_size", 0) or (len(tokens) if isinstance(tokens, list) and tokens
+                                             else gguf.tensor("token_embd.weight").shape[0]))
         scaling = gguf.get(f"{arch}.rope.scaling.type", "none")
         if scaling not in ("none", "linear"):
             raise UnsupportedModelError(f"{gguf.path}: unsupported RoPE scaling {scaling!r}")
-        return cls(
+        config = cls(
             architecture=arch,
             name=str(gguf.get("general.name", gguf.path.stem)),
             n_layers=int(key("block_count")),
@@ -119,6 +122,54 @@ class ModelConfig:
             norm_eps=float(key(defaults.norm_eps_key, 1e-5)),
             activation=_activation(gguf, defaults),
         )
+        check_config(config, gguf)
+        return config
+
+
+def _finite_number(gguf: GGUFFile, key: str, value: Any) -> int | float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ModelFileError(f"{gguf.path}: metadata {key} is {_short(value)}, not a finite number")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_config(config: ModelConfig, gguf: GGUFFile) -> None:
+    """Refuse hyper-parameters no model can have (one line naming the first) before anything is
+    sized or divided by them: a zero head count would otherwise fail at the first token with a
+    traceback. (Tensor shapes are checked against the config where the model is built.)"""
+    c = config
+    checks = [
+        (c.n_layers > 0, f"block_count {c.n_layers} must be > 0"),
+        (c.n_embd > 0, f"embedding_length {c.n_embd} must be > 0"),
+        (c.n_ff > 0, f"feed_forward_length {c.n_ff} must be > 0"),
+        (c.n_head > 0, f"attention.head_count {c.n_head} must be > 0"),
+        (c.n_head_kv > 0, f"attention.head_count_kv {c.n_head_kv} must be > 0"),
+        (c.n_head_kv <= 0 or c.n_head % c.n_head_kv == 0,
+         f"attention.head_count {c.n_head} is not a multiple of attention.head_count_kv {c.n_head_kv}"),
+        (c.head_dim > 0, f"attention.key_length {c.head_dim} must be > 0 (or embedding_length "
+                         f"{c.n_embd} a multiple of attention.head_count {c.n_head})"),
+        (gguf.get(f"{c.architecture}.attention.key_length") is not None or c.n_embd == c.n_head * c.head_dim,
+         f"embedding_length {c.n_embd} is not a multiple of attention.head_count {c.n_head}"),
+        (0 < c.rope_dim <= c.head_dim and c.rope_dim % 2 == 0,
+         f"rope.dimension_count {c.rope_dim} must be even and in 1..{c.head_dim} (the head size)"),
+        (c.n_ctx_train > 0, f"context_length {c.n_ctx_train} must be > 0"),
+        (c.n_vocab > 0, f"vocab_size {c.n_vocab} must be > 0"),
+        (c.rope_freq_base > 0, f"rope.freq_base {c.rope_freq_base} must be > 0"),
+        (c.rope_scale > 0, f"rope.scaling.factor {c.rope_scale} must be > 0"),
+        (c.norm_eps > 0, f"the norm epsilon {c.norm_eps} must be > 0"),
+    ]
+    for ok, problem in checks:
+        if not ok:
+            raise ModelFileError(f"{gguf.path}: invalid {c.architecture} metadata: {problem}")
+    tokens = gguf.get("tokenizer.ggml.tokens")
+    if tokens is not None and (not isinstance(tokens, list) or len(tokens) != c.n_vocab):
+        count = len(tokens) if isinstance(tokens, list) else "no list of"
+        raise ModelFileError(f"{gguf.path}: invalid {c.architecture} metadata: vocab_size {c.n_vocab} but "
+                             f"{count} tokens in tokenizer.ggml.tokens")
 
 
 def _activation(gguf: GGUFFile, defaults: ArchitectureDefaults) -> FFNActivation:

@@ -18,5 +18,9 @@ class UnsupportedModelError(PowerInferError):
     """A well-formed model that uses an architecture or tensor type we do not run."""
 
 
+class ChatTemplateError(PowerInferError):
+    """A chat template that fails to parse or render, or exceeds its budget (`chat_template.RenderBudget`)."""
+
+
 class ContextOverflowError(PowerInferError):
     """A prompt (plus the tokens asked for) that does not fit in the context window."""

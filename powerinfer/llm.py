@@ -16,6 +16,7 @@ from powerinfer.gguf.reader import GGUFFile, open_gguf
 from powerinfer.hub import resolve_model
 from powerinfer.models import load_model, read_config
 from powerinfer.models.ffn import FFNOptions, SparsityMode
+from powerinfer.runtime.constraint import Constraint
 from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.sampling import SamplingParams
 from powerinfer.runtime.sequence import Completion, GenerationSequence
@@ -161,18 +162,22 @@ class LLM:
         return ids
 
     def _sequence(self, prompt: Prompt, max_tokens: int, stop: Sequence[str] | str | None,
-                  sampling: SamplingParams) -> GenerationSequence:
+                  sampling: SamplingParams, logprobs: int | None = None,
+                  constraint: Constraint | None = None) -> GenerationSequence:
         if max_tokens < 0:
             raise PowerInferError("max_tokens must be >= 0")
         ids = self._prompt_ids(prompt)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        return GenerationSequence(ids, self.tokenizer, sampling, max_tokens, stops, context_left=self.n_ctx - len(ids))
+        return GenerationSequence(ids, self.tokenizer, sampling, max_tokens, stops, context_left=self.n_ctx - len(ids),
+                                  logprobs=logprobs, constraint=constraint)
 
     def new_sequence(self, prompt: Prompt, max_tokens: int = 128, stop: Sequence[str] | str | None = None,
+                     logprobs: int | None = None, constraint: Constraint | None = None,
                      **sampling) -> GenerationSequence:
         """The checked generation `generate` would run, for an engine of one's own (the server's
-        scheduler runs many of them on one multi-slot engine)."""
-        return self._sequence(prompt, max_tokens, stop, SamplingParams(**sampling))
+        scheduler runs many of them on one multi-slot engine); `logprobs` and `constraint` as
+        `GenerationSequence` takes them."""
+        return self._sequence(prompt, max_tokens, stop, SamplingParams(**sampling), logprobs, constraint)
 
     def _run(self, sequence: GenerationSequence, cache_prompt: bool, slot: int = 0) -> Iterator[str]:
         timings = sequence.timings
@@ -212,9 +217,10 @@ class LLM:
         sequence = self._sequence(prompt, max_tokens, stop, SamplingParams(**sampling))
         return TextStream(self._run(sequence, cache_prompt), sequence)
 
-    def chat_prompt(self, messages: Messages) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template, ready for a reply."""
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+    def chat_prompt(self, messages: Messages, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template, ready for a reply
+        (`tools`: OpenAI function definitions, for templates that render them)."""
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tools=tools)
         return self.tokenize(text, add_bos=True)
 
     def chat(self, messages: Messages, max_tokens: int = 256, stop: Sequence[str] | str | None = None,
@@ -225,3 +231,58 @@ class LLM:
     def chat_stream(self, messages: Messages, max_tokens: int = 256, stop: Sequence[str] | str | None = None,
                     cache_prompt: bool = False, **sampling) -> TextStream:
         return self.generate_stream(self.chat_prompt(messages), max_tokens, stop, cache_prompt, **sampling)
+
+    # -- OpenAI-shaped API (llama-cpp-python's `Llama` methods) ---------------------------------
+
+    def create_completion(self, prompt: str | list[int], **fields) -> dict | Iterator[dict]:
+        """An OpenAI text completion as a dict, or with `stream=True` an iterator of chunk dicts.
+        `fields` are the server's /v1/completions fields with the same defaults (max_tokens 16,
+        temperature 1): n, logprobs, stop, seed, presence_penalty, response_format, ..."""
+        from powerinfer.api.local import create_completion
+
+        return create_completion(self, {"prompt": prompt, **fields})
+
+    def create_chat_completion(self, messages: Messages, **fields) -> dict | Iterator[dict]:
+        """An OpenAI chat completion as a dict, or with `stream=True` an iterator of chunk dicts;
+        `fields` as the server's /v1/chat/completions takes them (tools, response_format, logprobs, n, ...)."""
+        from powerinfer.api.local import create_chat_completion
+
+        return create_chat_completion(self, {"messages": list(messages), **fields})
+
+    def embed(self, texts: str | Sequence[str] | Sequence[Sequence[int]]) -> list[list[float]]:
+        """One unit-length vector per text (or token-id list): the final normalized hidden states,
+        pooled as the file's `<arch>.pooling_type` says (mean when it says nothing)."""
+        inputs = [texts] if isinstance(texts, str) else list(texts)
+        return self.embed_with_counts(inputs)[0]
+
+    def embed_with_counts(self, inputs: Sequence[str | Sequence[int]]) -> tuple[list[list[float]], int]:
+        """`embed`'s vectors and the number of tokens they took."""
+        if not inputs:
+            raise PowerInferError("nothing to embed")
+        vectors, n_tokens = [], 0
+        for item in inputs:
+            ids = self.tokenize(item) if isinstance(item, str) else [int(i) for i in item]
+            self._check_ids(ids)
+            if not ids:
+                raise PowerInferError("cannot embed an empty text")
+            hidden = self.engine.all_logits(ids, which="hidden")
+            vectors.append(torch.nn.functional.normalize(pool(hidden, self.pooling), dim=0).tolist())
+            n_tokens += len(ids)
+        return vectors, n_tokens
+
+    @cached_property
+    def pooling(self) -> int:
+        """llama.cpp's pooling type from the file (1 mean, 2 first token, 3 last token; else mean)."""
+        return int(open_gguf(self.path).get(f"{self.config.architecture}.pooling_type", MEAN_POOLING))
+
+
+MEAN_POOLING, CLS_POOLING, LAST_POOLING = 1, 2, 3
+
+
+def pool(hidden: torch.Tensor, pooling: int) -> torch.Tensor:
+    """One vector from a text's hidden states [n_tokens, n_embd]."""
+    if pooling == CLS_POOLING:
+        return hidden[0]
+    if pooling == LAST_POOLING:
+        return hidden[-1]
+    return hidden.mean(dim=0)

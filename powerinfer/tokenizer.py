@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from datetime import datetime
 from typing import Any
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from powerinfer.errors import ModelFileError, PowerInferError, UnsupportedModelError
+from powerinfer.chat_template import ChatTemplate
+from powerinfer.errors import ModelFileError, UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -44,10 +42,6 @@ IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"}
 # Token texts that end a turn, besides the file's eos/eot/eom ids (llama.cpp's list).
 END_OF_GENERATION_TEXTS = {"<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
                            "</s>", "<|end_of_text|>", "<|return|>", "<|call|>"}
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 
 def _byte_level_backend(tokens: list[str], merges: list[str], pre: str) -> Backend:
@@ -164,10 +158,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of `text`, special tokens parsed; BOS first when `add_bos` and the model wants it."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_bos and self.add_bos:
-            ids = [self.bos_id, *ids]
-        return ids
+        return self.encode_batch([text], add_bos)[0]  # encode_batch releases the GIL; encode holds it
 
     def encode_batch(self, texts: Sequence[str], add_bos: bool = True) -> list[list[int]]:
         prefix = [self.bos_id] if add_bos and self.add_bos else []
@@ -184,26 +175,17 @@ class Tokenizer:
 
     # -- chat ----------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render a conversation with the model's template (ChatML when the file has none)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render a conversation with the model's template (ChatML when the file has none), in a
+        sandbox with a time and memory budget (any failure raises `ChatTemplateError`); `tools`
+        (OpenAI function definitions) go to templates that render them."""
         if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            try:
-                self._template = env.from_string(self.chat_template or CHATML_TEMPLATE)
-            except TemplateError as error:
-                raise PowerInferError(f"the model's chat template does not parse: {error}") from None
+            self._template = ChatTemplate(self.chat_template)
         special = lambda i: self.piece(i) if i is not None and 0 <= i < self.n_vocab else ""  # noqa: E731
-        try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=special(self.bos_id), eos_token=special(self.eos_id))
-        except TemplateError as error:
-            raise PowerInferError(f"chat template: {error}") from None
-
-
-def _raise_template_error(message: str):
-    raise TemplateError(message)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=special(self.bos_id), eos_token=special(self.eos_id),
+                                     **({} if tools is None else {"tools": tools}))
 
 
 class StreamDecoder:

@@ -9,3 +9,9 @@ fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[serve,plot,place,ray,test]"
+# tmux drives the chat tests (tests/test_chat.py, which skip without it): installed where apt can.
+if ! command -v tmux >/dev/null && command -v apt-get >/dev/null; then
+    sudo=$([ "$(id -u)" -eq 0 ] || echo "sudo -n")
+    { $sudo apt-get update -qq && $sudo apt-get install -y -qq tmux; } >/dev/null \
+        || echo "scripts/setup.sh: could not install tmux; tests/test_chat.py will be skipped" >&2
+fi

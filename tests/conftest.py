@@ -46,16 +46,19 @@ def smollm2_reference(default_model):
     return tokenizer, model
 
 
-def make_tiny_llama(folder: Path, hidden_act: str, seed: int = 0, tokenizer_from: Path | None = None):
-    """A random llama-shaped checkpoint saved with transformers (and a tokenizer, if given)."""
+def make_tiny_llama(folder: Path, hidden_act: str, seed: int = 0, tokenizer_from: Path | None = None,
+                    overrides: dict | None = None):
+    """A random llama-shaped checkpoint saved with transformers (and a tokenizer, if given);
+    `overrides` replace config values."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, hidden_act=hidden_act, max_position_embeddings=512, rope_theta=10000.0,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.15,
-    )
+    config = LlamaConfig(**{
+        **dict(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, hidden_act=hidden_act, max_position_embeddings=512, rope_theta=10000.0,
+               rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.15),
+        **(overrides or {}),
+    })
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(folder)
     if tokenizer_from is not None:

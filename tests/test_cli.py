@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import os
 import subprocess
 import sys
@@ -45,12 +48,60 @@ def test_chat_reads_stdin(default_model):
     assert "Paris" in result.stdout
 
 
-def test_bench_prints_markdown_table(default_model):
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only note")
+def test_ngl_without_a_gpu_says_so_in_one_line(default_model, default_llm):
+    result = powerinfer("run", "-m", str(default_model), "-p", "Once upon a time", "-n", "8", "--temp", "0", "-ngl", "99")
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if "-ngl" in line]
+    assert notes == ["powerinfer: no CUDA device: -ngl 99 is ignored and everything runs on the CPU"]
+    assert result.stdout.rstrip("\n") == default_llm.generate("Once upon a time", max_tokens=8, temperature=0)
+
+
+def test_run_cnv_chats(default_model):
+    result = powerinfer("run", "-cnv", "-m", str(default_model), "--temp", "0", "-n", "24",
+                        stdin="Which city is the capital of France?\n")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+def test_bench_prints_markdown_table_as_it_goes(default_model):
     result = powerinfer("bench", "-m", str(default_model), "-p", "16", "-n", "4", "-r", "1")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines[0].startswith("| model | size | params | backend | threads | test | t/s")
-    assert any("| pp16 |" in line for line in lines) and any("| tg4 |" in line for line in lines)
+    assert [line.split("|")[6].strip() for line in lines[2:]] == ["pp16", "tg4"]
+    assert "bench pp16" in result.stderr and "bench tg4" in result.stderr  # the progress bar names each test
+
+
+# llama-bench's JSON fields (tools/llama-bench/README.md) that describe a test and its timings.
+LLAMA_BENCH_FIELDS = {"model_filename", "model_type", "model_size", "model_n_params", "n_threads", "n_gpu_layers",
+                      "n_prompt", "n_gen", "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts"}
+
+
+def test_bench_json_and_csv_records_as_llama_bench_writes_them(default_model):
+    flags = ["bench", "-m", str(default_model), "-p", "8,16", "-p", "0", "-n", "2", "-r", "3"]
+    result = powerinfer(*flags, "-o", "json")
+    assert result.returncode == 0, result.stderr
+    records = json.loads(result.stdout)
+    assert [(r["n_prompt"], r["n_gen"]) for r in records] == [(8, 0), (16, 0), (0, 2)]
+    for r in records:
+        assert LLAMA_BENCH_FIELDS <= r.keys()
+        assert len(r["samples_ns"]) == len(r["samples_ts"]) == 3
+        tokens = r["n_prompt"] + r["n_gen"]
+        np.testing.assert_allclose(r["samples_ts"], [tokens / (ns * 1e-9) for ns in r["samples_ns"]], rtol=1e-6)
+        np.testing.assert_allclose([r["avg_ts"], r["stddev_ts"]], [np.mean(r["samples_ts"]), np.std(r["samples_ts"], ddof=1)])
+        np.testing.assert_allclose([r["avg_ns"], r["stddev_ns"]], [np.mean(r["samples_ns"]), np.std(r["samples_ns"], ddof=1)],
+                                   atol=1)
+    result = powerinfer(*flags, "-o", "csv")
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert [(int(r["n_prompt"]), int(r["n_gen"])) for r in rows] == [(8, 0), (16, 0), (0, 2)]
+    assert set(rows[0]) == set(records[0]) - {"samples_ns", "samples_ts"}
+    assert result.stdout.splitlines()[1].startswith('"')  # values quoted, as llama-bench writes them
+
+
+def test_bench_with_nothing_to_measure(default_model):
+    assert_one_line_error(powerinfer("bench", "-m", str(default_model), "-p", "0", "-n", "0"), "nothing to measure")
 
 
 def test_missing_model_file(tmp_path):
@@ -92,4 +143,23 @@ def test_bad_flags(flags, fragment):
 
 
 def test_bad_sampling_value(default_model):
-    assert_one_line_error(powerinfer("run", "-m", str(default_model), "-p", "x", "--top-p", "3"), "top_p")
+    assert_one_line_error(powerinfer("run", "-m", str(default_model), "-p", "x", "--top-p", "3"), "argument --top-p: must be in (0, 1]")
+
+
+def test_profile_defines_firing_for_silu_models(tiny_llama, wikitext_valid, tmp_path, capsys):
+    """The README's `profile -f valid.txt -o prof/` works on SiLU models (like the default one) too."""
+    from powerinfer.cli import main
+    from powerinfer.sparsity.profiler import ActivationProfile
+
+    _, _, ggufs = tiny_llama
+    text = tmp_path / "valid.txt"
+    text.write_text(wikitext_valid[:20000])
+    assert main(["profile", "-m", str(ggufs["f32"]), "-f", str(text), "-o", str(tmp_path / "prof"),
+                 "--tokens", "1024", "--chunk", "256"]) == 0
+    profile = ActivationProfile.load(tmp_path / "prof")
+    notes = [line for line in capsys.readouterr().err.splitlines() if "--target-sparsity" in line]
+    if profile.activation == "silu":
+        assert profile.target_sparsity == 0.5 and len(notes) == 1
+        assert all(abs(s - 0.5) < 0.05 for s in profile.sparsity)  # half of each layer under its threshold
+    else:
+        assert profile.target_sparsity is None and not notes

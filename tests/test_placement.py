@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFValueType
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -114,35 +115,89 @@ def random_plan(rng: np.random.Generator, n_ff: tuple[int, ...], capacity: int =
     return Plan(hot, n_ff, 0, capacity, None, None, None, None)
 
 
+# PowerInfer's ggml type table for what an index holds: type code -> (block size, bytes per block).
+# Its ggml predates the IQ types, so I32 is 18 there (the gguf package's 18 is IQ3_XXS).
+POWERINFER_TYPES = {0: (1, 4), 1: (1, 2), 18: (1, 4)}  # F32, F16, I32
+
+
+def parse_index(raw: bytes) -> tuple[dict, list[tuple[str, list[int], int, int, int]], int]:
+    """A .gpuidx's header parsed from the format alone (not with our reader): (metadata, tensor
+    infos (name, dims, byte position of the type code, type code, data offset), data start)."""
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        (value,) = struct.unpack_from("<" + fmt, raw, pos)
+        pos += struct.calcsize(fmt)
+        return value
+
+    def string() -> str:
+        nonlocal pos
+        n = take("Q")
+        pos += n
+        return raw[pos - n : pos].decode()
+
+    assert raw[:4] == b"PWRI"
+    pos = 4
+    assert take("I") == 3
+    n_tensors, n_kv = take("Q"), take("Q")
+    metadata = {}
+    for _ in range(n_kv):
+        key, value_type = string(), take("I")
+        metadata[key] = {8: string, 4: lambda: take("I"), 10: lambda: take("Q")}[value_type]()
+    infos = []
+    for _ in range(n_tensors):
+        name, n_dims = string(), take("I")
+        dims = [take("Q") for _ in range(n_dims)]
+        infos.append((name, dims, pos, take("I"), take("Q")))
+    return metadata, infos, -(-pos // 32) * 32  # GGUF's default alignment, which PowerInfer's loader uses
+
+
+def read_as_powerinfer(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(metadata, {name: int32 data}) of a .gpuidx read by PowerInfer's rules: its type table."""
+    raw = path.read_bytes()
+    metadata, infos, data_start = parse_index(raw)
+    tensors = {}
+    for name, dims, _, type_code, offset in infos:
+        assert type_code == 18, f"PowerInfer's loader has no type {type_code}"
+        block, size = POWERINFER_TYPES[type_code]
+        tensors[name] = np.frombuffer(raw, np.int32, int(np.prod(dims)) // block * size // 4, data_start + offset)
+    return metadata, tensors
+
+
 @settings(max_examples=20, deadline=None)
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=5), st.integers(0, 2**63 - 1), st.integers(0, 1000))
-def test_gpu_index_round_trip_read_by_the_gguf_package(tmp_path_factory, n_ff, capacity, seed):
+def test_gpu_index_round_trip_read_by_powerinfer_rules(tmp_path_factory, n_ff, capacity, seed):
     plan = random_plan(np.random.default_rng(seed), tuple(n_ff), capacity)
     path = tmp_path_factory.mktemp("index") / "model.gguf.generated.gpuidx"
     write_gpu_index(path, plan)
-    raw = path.read_bytes()
-    assert raw[:4] == b"PWRI"
     hot, stored = read_gpu_index(path, tuple(n_ff))
     assert stored == capacity and all(np.array_equal(a, b) for a, b in zip(hot, plan.hot))
-    patched = path.with_suffix(".gguf")
-    patched.write_bytes(b"GGUF" + raw[4:])
-    reader = GGUFReader(patched)
-    fields = reader.fields
-    assert fields["general.architecture"].contents() == ARCHITECTURE == "generic.gpu_index"
-    assert fields["generic.gpu_index.block_count"].contents() == len(n_ff)
-    assert fields["split.vram_capacity"].types == [GGUFValueType.UINT64]
-    assert fields["split.vram_capacity"].contents() == capacity
-    names = [t.name for t in reader.tensors]
-    assert names == [f"blk.{i}.{part}" for i in range(len(n_ff)) for part in ("gpu_idx", "gpu_bucket")]
+    metadata, tensors = read_as_powerinfer(path)
+    assert metadata == {"general.architecture": ARCHITECTURE, "generic.gpu_index.block_count": len(n_ff),
+                        "split.vram_capacity": capacity}
+    assert list(tensors) == [f"blk.{i}.{part}" for i in range(len(n_ff)) for part in ("gpu_idx", "gpu_bucket")]
     for i, n in enumerate(n_ff):
-        flags, bucket = reader.tensors[2 * i], reader.tensors[2 * i + 1]
-        assert flags.tensor_type == bucket.tensor_type == GGMLQuantizationType.I32
-        assert len(flags.data) == n and set(np.flatnonzero(flags.data)) == set(plan.hot[i].tolist())
-        assert np.array_equal(np.asarray(bucket.data), plan.hot[i])
+        flags, bucket = tensors[f"blk.{i}.gpu_idx"], tensors[f"blk.{i}.gpu_bucket"]
+        assert len(flags) == n and set(np.flatnonzero(flags)) == set(plan.hot[i].tolist())
+        assert np.array_equal(bucket, plan.hot[i])
 
 
 def test_index_path_follows_powerinfer():
     assert index_path("/models/llama.powerinfer.gguf") == Path("/models/llama.powerinfer.gguf.generated.gpuidx")
+
+
+def test_place_writes_an_index_powerinfer_reads(tiny_models, tmp_path):
+    from powerinfer.cli import main
+
+    written = tmp_path / "model.gguf.generated.gpuidx"
+    assert main(["place", "-m", str(tiny_models["f32"]), "--vram-budget", "0.01", "-o", str(written)]) == 0
+    metadata, tensors = read_as_powerinfer(written)
+    hot, capacity = read_gpu_index(written, (160, 160))
+    assert metadata["split.vram_capacity"] == capacity and metadata["generic.gpu_index.block_count"] == 2
+    for i in range(2):
+        assert np.array_equal(tensors[f"blk.{i}.gpu_bucket"], hot[i])
+        assert np.array_equal(np.flatnonzero(tensors[f"blk.{i}.gpu_idx"]), hot[i])
 
 
 def write_raw_index(path: Path, layers: list[tuple[np.ndarray, np.ndarray]], capacity: int = 1000) -> None:
@@ -167,6 +222,30 @@ BAD_INDEXES = {
     "unsorted bucket": ([(flags_of([1, 2], 8), np.array([2, 1]))] * 2, "not sorted"),
     "bucket out of range": ([(flags_of([1], 8), np.array([1, 2147483647]))] * 2, "not sorted unique ids below 8"),
 }
+
+
+@pytest.mark.parametrize("type_code", [GGMLQuantizationType.I32.value, 18])
+def test_index_with_either_i32_code_is_reused(tiny_models, type_code):
+    """PowerInfer writes I32 as 18, the gguf package as 26: an index with either is the model's own."""
+    path = tiny_models["f32"]
+    gguf = open_gguf(path)
+    config = read_config(gguf)
+    hot = (np.array([1, 5, 7]), np.arange(0, 160, 3))
+    capacity = sum(len(h) * b for h, b in zip(hot, model_shape(gguf, config).neuron_bytes))
+    budget = dense_parts(gguf, config, 64).total + capacity
+    index = index_path(path)
+    write_raw_index(index, [(flags_of(h, 160), h) for h in hot], capacity=capacity)
+    raw = bytearray(index.read_bytes())
+    _, infos, _ = parse_index(raw)
+    assert {code for *_, code, _ in infos} == {GGMLQuantizationType.I32.value}  # written with gguf's numbering
+    for _, _, position, _, _ in infos:
+        struct.pack_into("<I", raw, position, type_code)
+    index.write_bytes(bytes(raw))
+    notes = []
+    plan = plan_for_model(gguf, config, path, 64, budget, note=notes.append)
+    assert plan.solve_seconds is None and not [n for n in notes if "stale" in n or "corrupt" in n]
+    assert [h.tolist() for h in plan.hot] == [h.tolist() for h in hot]
+    index.unlink()
 
 
 @pytest.mark.parametrize("case", list(BAD_INDEXES))

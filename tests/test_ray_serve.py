@@ -121,7 +121,7 @@ def test_two_replicas_answer_like_generate(client, ray_url, expected):
     metrics = httpx.get(f"{ray_url}/metrics")
     replica = metrics.headers["x-powerinfer-replica"]
     samples = [line for line in metrics.text.splitlines() if line.startswith("powerinfer_")]
-    assert samples and all(f'{{replica="{replica}"}} ' in line for line in samples)
+    assert samples and all(f'{{replica="{replica}"' in line for line in samples)
 
 
 @pytest.mark.slow
@@ -179,7 +179,8 @@ def test_request_before_any_replica_is_healthy(ray_url, default_model, expected)
     from powerinfer.server import ray_app
 
     args = serve_args(default_model, "--replicas", "1")
-    app = ray_app.replica_deployment(args).options(**ray_app.deployment_options(args), name="late").bind()
+    app = ray_app.replica_deployment(args, ray_app.prepare(args)).options(**ray_app.deployment_options(args),
+                                                                          name="late").bind()
     deploying = threading.Thread(target=serve.run, args=(app,), kwargs=dict(name="late", route_prefix="/late"))
     deploying.start()
     try:
@@ -214,7 +215,8 @@ def test_replica_name_on_answers_and_metrics(default_llm):
             assert response.headers[REPLICA_HEADER] == name
         samples = [s for family in parser.text_string_to_metric_families(client.get("/metrics").text)
                    for s in family.samples]
-    assert samples and all(sample.labels == {"replica": name} for sample in samples)
+    assert samples and all(sample.labels["replica"] == name for sample in samples)
+    assert all(set(sample.labels) == {"replica", "le"} for sample in samples if sample.name.endswith("_bucket"))
     with TestClient(create_app(default_llm)) as client:
         assert REPLICA_HEADER not in client.get("/health").headers
         assert 'replica="' not in client.get("/metrics").text

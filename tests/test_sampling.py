@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from powerinfer.errors import PowerInferError
-from powerinfer.runtime.sampling import Sampler, SamplingParams, apply_repeat_penalty, filter_candidates
+from powerinfer.runtime.sampling import (
+    Sampler,
+    SamplingParams,
+    apply_openai_penalties,
+    apply_repeat_penalty,
+    filter_candidates,
+)
 from powerinfer.runtime.sequence import StopMatcher
 
 logit_vectors = st.lists(st.floats(-20, 20, allow_nan=False), min_size=2, max_size=60).map(torch.tensor)
@@ -88,3 +96,34 @@ def test_stop_matcher_cuts_at_first_stop_however_text_arrives(text, stops, cuts)
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     assert out == (text[: min(hits)] if hits else text)
     assert matcher.stopped == bool(hits)
+
+
+def test_stop_matching_is_linear_in_the_text():
+    """A 5 MB stop that the text keeps almost completing (matching that copied every prefix per
+    token froze the server on it): the text is held back, then cut at the short stop."""
+    matcher = StopMatcher(["a" * 5_000_000 + "b", "zz"])
+    result: list[str] = []
+
+    def stream() -> None:
+        out = "".join(matcher.push("a" * 1000) for _ in range(200))
+        result.append(out + matcher.push("zz tail"))
+
+    worker = threading.Thread(target=stream, daemon=True)
+    worker.start()
+    worker.join(timeout=120)  # a hang detector, not a timing: the quadratic matcher never returns
+    assert result == ["a" * 200_000] and matcher.stopped
+
+
+def test_openai_penalties_bias_and_mask():
+    """OpenAI's documented formula: logit - count * frequency - (count > 0) * presence, over the
+    generated tokens only; logit_bias is added; masked tokens are never drawn."""
+    logits = torch.tensor([1.0, 2.0, 3.0, 0.5])
+    params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={3: 2.0})
+    adjusted = apply_openai_penalties(logits, [2, 2, 1], 0.5, 0.25)
+    assert adjusted.tolist() == [1.0, 2.0 - 0.25 - 0.5, 3.0 - 0.5 - 0.5, 0.5]
+    # prompt tokens (history beyond `generated`) are not penalized; 3 wins by its bias: 2.5 > 2.0
+    assert Sampler(params)(logits, history=[0, 0, 2, 2, 1], generated=[2, 2, 1]) == 3
+    allowed = torch.tensor([True, True, False, False])
+    assert Sampler(params)(logits, history=[], allowed=allowed) == 1
+    with pytest.raises(PowerInferError, match="presence_penalty"):
+        SamplingParams(presence_penalty=3)

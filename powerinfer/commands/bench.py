@@ -1,18 +1,41 @@
-"""`powerinfer bench`: prompt-processing and generation speed as a markdown table."""
+"""`powerinfer bench`: prompt-processing and generation speed, as llama-bench prints it.
+
+Results go to stdout as each test ends (md, csv, jsonl; json at the end), progress to stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-import torch
+from tqdm import tqdm
 
-from powerinfer.commands.run import load_llm
-from powerinfer.tools.bench import bench_generation, bench_prompt, markdown_table
+from powerinfer.commands.common import load_llm
+from powerinfer.errors import PowerInferError
+from powerinfer.tools.bench import BenchSetup, Report, bench_tests, run_test
+
+DEFAULT_N_PROMPT = [512]
+DEFAULT_N_GEN = [128]
+
+
+def write(text: str) -> None:
+    """Results on stdout, around the progress bar on stderr when both share a terminal."""
+    tqdm.write(text, file=sys.stdout, end="")
+    sys.stdout.flush()
 
 
 def main(args: argparse.Namespace) -> int:
-    args.ctx_size = args.n_prompt + args.n_gen
+    # argparse's "extend" would add to a default list, so the defaults are filled in here.
+    tests = bench_tests(args.n_prompt or DEFAULT_N_PROMPT, args.n_gen or DEFAULT_N_GEN)
+    if not tests:
+        raise PowerInferError("nothing to measure: every -p and -n length is 0")
+    args.ctx_size = max(t.n_prompt for t in tests) + max(t.n_gen for t in tests)
     llm = load_llm(args)
-    results = [bench_prompt(llm, args.n_prompt, args.repetitions), bench_generation(llm, args.n_gen, args.repetitions)]
-    print(markdown_table(llm, results, torch.get_num_threads()))
+    report = Report(args.output, BenchSetup.of(llm, args.n_gpu_layers or 0), write)
+    runs = len(tests) * (args.repetitions + 1)  # each test has one warm-up run
+    with tqdm(total=runs, desc="bench", unit="run", file=sys.stderr, leave=False) as progress:
+        for test in tests:
+            progress.set_description(f"bench {test.name}")
+            report.add(run_test(llm, test, args.repetitions, after_each=lambda: progress.update()))
+    report.finish()
     return 0

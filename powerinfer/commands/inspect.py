@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from powerinfer.outputs import check_output_file
 from powerinfer.sparsity.profiler import ActivationProfile
-from powerinfer.tools.inspect_activations import plot_profile
+from powerinfer.tools.inspect_activations import image_format, plot_profile
 
 
 def main(args: argparse.Namespace) -> int:
+    check_output_file(args.output, args.force)
+    image_format(args.output)
     profile = ActivationProfile.load(args.activations)
-    shares = plot_profile(profile, args.output)
+    shares = plot_profile(profile, args.output, replace=args.force)
     print(f"wrote {args.output}; neurons covering 80% of firings: mean {sum(shares) / len(shares):.1%} "
           f"(layers {min(shares):.1%} .. {max(shares):.1%})", file=sys.stderr)
     return 0

@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from powerinfer.commands.run import load_llm
-from powerinfer.errors import PowerInferError
+from powerinfer.commands.common import load_llm, read_text
 from powerinfer.tools.perplexity import chunks_of, perplexity
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        text = Path(args.file).read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        raise PowerInferError(f"cannot read {args.file}: {getattr(error, 'strerror', None) or error}") from None
+    text = read_text(args.file)
     args.ctx_size = args.ctx_size or 512  # llama-perplexity's default window
     llm = load_llm(args)
     tokens = llm.tokenize(text, add_bos=True)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from powerinfer.commands.common import model_path
 from powerinfer.models import read_config
 from powerinfer.gguf.reader import open_gguf
 from powerinfer.llm import DEFAULT_N_CTX
+from powerinfer.outputs import check_output_file
 from powerinfer.placement.costs import GiB, Speeds, dense_parts, measure_cpu_bandwidth, model_shape
 from powerinfer.placement.gpu_index import index_path, write_gpu_index
 from powerinfer.placement.planner import load_statistics, place_dense, plan_table, stderr_note
@@ -16,7 +17,11 @@ from powerinfer.placement.solver import plan_from_counts
 
 
 def main(args: argparse.Namespace) -> int:
-    gguf = open_gguf(args.model)
+    model = model_path(args)
+    gguf = open_gguf(model)
+    output = None
+    if args.write_index is not None:
+        output = check_output_file(args.write_index or index_path(model), args.force)
     config = read_config(gguf)
     n_ctx = args.ctx_size or min(DEFAULT_N_CTX, config.n_ctx_train)
     shape = model_shape(gguf, config, "cuda")
@@ -25,7 +30,7 @@ def main(args: argparse.Namespace) -> int:
     parts = dense_parts(gguf, config, n_ctx)
     budget = int(args.vram_budget * GiB)
     dense = place_dense(parts, budget)
-    statistics = load_statistics(Path(args.model), shape, args.activations, stderr_note)
+    statistics = load_statistics(model, shape, args.activations, stderr_note)
     plan = plan_from_counts(statistics.counts, statistics.tokens, shape, budget - dense.bytes_used, speeds,
                             args.group_size)
     print(plan_table(plan, statistics, shape))
@@ -37,10 +42,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"speeds: CPU {speeds.cpu_bandwidth / 1e9:.1f} GB/s{' (measured)' if args.measure else ''}, "
           f"accelerator {speeds.accelerator_bandwidth / 1e9:.0f} GB/s, sync {speeds.sync_seconds * 1e6:.0f} us/layer")
     print(f"plan: {plan.summary()}; split layers: {_ranges(plan.split_layers)}")
-    if args.write_index is not None:
-        path = Path(args.write_index) if args.write_index else index_path(args.model)
-        write_gpu_index(path, plan)
-        print(f"wrote {path}", file=sys.stderr)
+    if output is not None:
+        write_gpu_index(output, plan, replace=args.force)
+        print(f"wrote {output}", file=sys.stderr)
     return 0
 
 

@@ -6,25 +6,20 @@ import argparse
 import sys
 from pathlib import Path
 
-from powerinfer.commands.run import load_llm
-from powerinfer.errors import PowerInferError
-from powerinfer.sparsity.profiler import profile_activations
-
-
-def read_text(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        raise PowerInferError(f"cannot read {path}: {getattr(error, 'strerror', None) or error}") from None
+from powerinfer.commands.common import calibration_target, load_llm, read_text
+from powerinfer.outputs import check_output_dir
+from powerinfer.sparsity.profiler import ACTIVATION_FILES, profile_activations
 
 
 def main(args: argparse.Namespace) -> int:
+    check_output_dir(Path(args.output) / "activation", ACTIVATION_FILES, args.force)
     text = read_text(args.file)
     args.ctx_size, args.dtype = args.chunk, "auto"
     llm = load_llm(args)
+    calibration_target(args, llm)
     ids = llm.tokenize(text, add_bos=False)
     profile = profile_activations(llm.model, ids, args.tokens, args.chunk, args.target_sparsity, args.target_error)
-    profile.save(args.output)
+    profile.save(args.output, replace=args.force)
     sparsity = profile.sparsity
     print(f"profiled {profile.tokens} tokens; mean sparsity {sum(sparsity) / len(sparsity):.1%} "
           f"(layers {min(sparsity):.1%} .. {max(sparsity):.1%}); wrote {Path(args.output) / 'activation'}", file=sys.stderr)

@@ -4,31 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from powerinfer.cli import sampling_from_args
+from powerinfer.commands.common import load_llm, max_tokens, read_prompt
 from powerinfer.errors import PowerInferError
 from powerinfer.runtime.sequence import Completion
-
-
-def load_llm(args: argparse.Namespace):
-    from powerinfer.llm import LLM
-
-    return LLM(args.model, threads=args.threads, n_ctx=getattr(args, "ctx_size", None), dtype=args.dtype,
-               sparsity=getattr(args, "sparsity", "off"), **hybrid_arguments(args))
-
-
-def hybrid_arguments(args: argparse.Namespace) -> dict:
-    """LLM keywords from the --vram-budget family of flags (absent on some commands)."""
-    gpu_index = "reset" if getattr(args, "reset_gpu_index", False) else \
-        "disable" if getattr(args, "disable_gpu_index", False) else "reuse"
-    return dict(vram_budget=getattr(args, "vram_budget", None), n_gpu_layers=getattr(args, "n_gpu_layers", None),
-                gpu_index=gpu_index, activations=getattr(args, "activations", None),
-                accelerator=getattr(args, "accelerator", None), parallel=getattr(args, "parallel", 1))
-
-
-def max_tokens(n_predict: int, llm) -> int:
-    return llm.n_ctx if n_predict < 0 else n_predict
 
 
 def print_timings(completion: Completion, load_seconds: float | None = None) -> None:
@@ -44,13 +24,11 @@ def print_timings(completion: Completion, load_seconds: float | None = None) -> 
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.file is not None:
-        try:
-            prompt = Path(args.file).read_text()
-        except OSError as error:
-            raise PowerInferError(f"cannot read prompt file: {error.strerror}: {args.file}") from None
-    else:
-        prompt = args.prompt
+    prompt = read_prompt(args)
+    if prompt is None:
+        raise PowerInferError("one of -p/--prompt or -f/--file is required (or -cnv to chat)")
+    if args.system is not None:
+        raise PowerInferError("-sys/--system-prompt sets a conversation's system message: add -cnv (or use chat)")
     llm = load_llm(args)
     stream = llm.generate_stream(prompt, max_tokens=max_tokens(args.n_predict, llm), stop=args.stop, **sampling_from_args(args))
     for piece in stream:

@@ -25,18 +25,44 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """Keys from --api-key and --api-key-file (one a line; blank lines and # comments skipped)."""
+    keys = list(args.api_key)
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as file:
+                keys += [line.strip() for line in file if line.strip() and not line.lstrip().startswith("#")]
+        except (OSError, UnicodeDecodeError) as error:
+            raise PowerInferError(f"{args.api_key_file}: cannot read API keys: {error}") from None
+        if len(keys) == len(args.api_key):
+            raise PowerInferError(f"{args.api_key_file}: no API keys in the file")
+    if any(not key.isprintable() or " " in key for key in keys):
+        raise PowerInferError("API keys must be printable and without spaces")
+    return keys
+
+
+def allowed_hosts(args: argparse.Namespace) -> frozenset[str] | None:
+    from powerinfer.server.gate import default_allowed_hosts
+
+    if args.allowed_hosts is None:
+        return default_allowed_hosts(args.host)
+    names = {name.strip().lower() for name in args.allowed_hosts.split(",") if name.strip()}
+    return None if "*" in names else frozenset(names)
+
+
 def app_options(args: argparse.Namespace) -> dict:
     """create_app's keywords from the flags, alike for one server and for each Ray replica."""
-    return dict(parallel=args.parallel)
+    return dict(parallel=args.parallel, allowed_hosts=allowed_hosts(args), api_keys=api_keys(args),
+                max_body_size=args.max_body_size, watchdog_seconds=args.watchdog)
 
 
 def checked_model(args: argparse.Namespace) -> Path:
     """The model file; a missing, foreign or unsupported one is refused before any server starts."""
+    from powerinfer.commands.common import model_path
     from powerinfer.gguf.reader import open_gguf
-    from powerinfer.hub import resolve_model
     from powerinfer.models import read_config
 
-    path = resolve_model(args.model)
+    path = model_path(args)
     read_config(open_gguf(path))
     return path
 
@@ -55,10 +81,11 @@ def main(args: argparse.Namespace) -> int:
         from powerinfer.server.app import create_app
     except ImportError as error:
         raise PowerInferError(f"the server needs the 'serve' extra (pip install 'powerinfer[serve]'): {error}") from None
-    from powerinfer.commands.run import load_llm
+    from powerinfer.commands.common import load_llm
 
-    # Rarer load failures than checked_model's stop the server once it runs (it answers 503 on
-    # /health while loading).
+    # A missing, foreign or unsupported file is refused before the server starts; rarer load
+    # failures stop the server once it runs (it answers 503 on /health while loading).
+    options = app_options(args)
     checked_model(args)
     sock = listen(args.host, args.port)
     failures: list[Exception] = []
@@ -67,8 +94,16 @@ def main(args: argparse.Namespace) -> int:
         failures.append(error)
         server.should_exit = True
 
-    app = create_app(lambda: load_llm(args), on_load_error=stop, **app_options(args))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
+    app = create_app(lambda: load_llm(args), on_load_error=stop, **options)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            # Streams in progress end now with an error event, so connections close and the
+            # server exits within seconds even while a scheduler step is stuck.
+            app.state.server.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
     host, port = sock.getsockname()[:2]
     print(f"powerinfer serve: listening on http://{host}:{port} ({args.parallel} slots); loading the model ...",
           file=sys.stderr)

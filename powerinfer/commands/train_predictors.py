@@ -6,9 +6,9 @@ import argparse
 import sys
 from statistics import mean
 
-from powerinfer.commands.profile import read_text
-from powerinfer.commands.run import load_llm
-from powerinfer.sparsity.predictors import LayerReport, TrainingOptions, save_predictors, train_predictors
+from powerinfer.commands.common import calibration_target, load_llm, read_text
+from powerinfer.outputs import check_output_dir
+from powerinfer.sparsity.predictors import PREDICTOR_FILES, LayerReport, TrainingOptions, save_predictors, train_predictors
 from powerinfer.sparsity.profiler import calibration_chunks, firing_thresholds
 
 
@@ -18,16 +18,18 @@ def _row(r: LayerReport) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_output_dir(args.output, PREDICTOR_FILES, args.force)
     text = read_text(args.file)
     args.ctx_size, args.dtype = args.chunk, "auto"
     llm = load_llm(args)
+    calibration_target(args, llm)
     ids = llm.tokenize(text, add_bos=False)
     chunks = calibration_chunks(ids, args.tokens, args.chunk)
     thresholds, _ = firing_thresholds(llm.model, chunks, args.target_sparsity, args.target_error)
     options = TrainingOptions(recall=args.recall, ranks=args.ranks, steps=args.steps)
     predictors, reports = train_predictors(llm.model, ids, thresholds, args.tokens, args.chunk, options)
     save_predictors(args.output, predictors, reports,
-                    None if llm.config.activation.is_relu_family else thresholds)
+                    None if llm.config.activation.is_relu_family else thresholds, replace=args.force)
     print("held-out results per layer:\n"
           "| layer | rank | recall | precision | true sparsity | predicted sparsity |\n"
           "| ----: | ---: | -----: | --------: | ------------: | -----------------: |")

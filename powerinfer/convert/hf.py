@@ -22,6 +22,7 @@ from powerinfer.config import ACTIVATION_KEY, HF_GATED_ACTIVATIONS, FFNActivatio
 from powerinfer.convert.model import ModelSource, write_model
 from powerinfer.convert.tokenizer import tokenizer_metadata
 from powerinfer.errors import ModelFileError, UnsupportedModelError
+from powerinfer.sparsity.files import load_torch_file
 
 
 @dataclass
@@ -37,8 +38,10 @@ class HFCheckpoint:
             raise ModelFileError(f"{folder}: not a Hugging Face checkpoint (no config.json)")
         try:
             config = json.loads(config_path.read_text())
-        except json.JSONDecodeError as error:
-            raise ModelFileError(f"{config_path}: invalid JSON ({error.msg})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ModelFileError(f"{config_path}: invalid JSON ({getattr(error, 'msg', error)})") from None
+        if not isinstance(config, dict):
+            raise ModelFileError(f"{config_path}: not a JSON object")
         return cls(folder, config)
 
     @property
@@ -47,20 +50,27 @@ class HFCheckpoint:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, float32 tensor) for every weight in the checkpoint."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         files = sorted(self.folder.glob("*.safetensors"))
         if files:
             for file in files:
-                with safe_open(file, framework="pt") as f:
-                    for name in f.keys():
-                        yield name, f.get_tensor(name).float()
+                try:
+                    with safe_open(file, framework="pt") as f:
+                        names = list(f.keys())
+                        for name in names:
+                            yield name, f.get_tensor(name).float()
+                except SafetensorError as error:
+                    raise ModelFileError(f"{file}: not a readable safetensors file ({error})") from None
             return
         bins = sorted(self.folder.glob("pytorch_model*.bin"))
         if not bins:
             raise ModelFileError(f"{self.folder}: no *.safetensors or pytorch_model*.bin weights")
         for file in bins:
-            for name, tensor in torch.load(file, map_location="cpu", weights_only=True).items():
+            state = load_torch_file(file)
+            if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+                raise ModelFileError(f"{file}: not a state dict of tensors")
+            for name, tensor in state.items():
                 yield name, tensor.float()
 
 
@@ -272,9 +282,15 @@ def hf_source(folder: str | Path) -> ModelSource:
         raise UnsupportedModelError(f"{ckpt.folder}: unsupported architecture {ckpt.architecture_class} "
                                     f"(supported: {', '.join(HF_ARCHITECTURES)})")
     read_metadata, read_tensors = readers
-    arch, meta = read_metadata(ckpt)
+    try:
+        arch, meta = read_metadata(ckpt)
+        n_vocab = int(ckpt.config["vocab_size"])
+    except KeyError as error:
+        raise ModelFileError(f"{ckpt.folder / 'config.json'}: {error.args[0]!r} is missing") from None
+    except (TypeError, ValueError, ZeroDivisionError) as error:
+        raise ModelFileError(f"{ckpt.folder / 'config.json'}: invalid values ({error})") from None
     meta["general.name"] = ckpt.folder.name
-    meta.update(tokenizer_metadata(ckpt.folder, n_vocab=int(ckpt.config["vocab_size"])))
+    meta.update(tokenizer_metadata(ckpt.folder, n_vocab=n_vocab))
     return ModelSource(ckpt.folder, arch, meta, {}, read_tensors(ckpt),
                        *(int(meta[f"{arch}.{k}"]) for k in ("block_count", "embedding_length", "feed_forward_length")))
 

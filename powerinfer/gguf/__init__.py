@@ -1,4 +1,4 @@
-"""GGUF and PowerInfer GGUF files, read and written through the `gguf` package."""
+"""GGUF and PowerInfer GGUF files: read by our bounded parser, written with the `gguf` package."""
 
 from powerinfer.gguf.reader import GGUFFile, open_gguf
 

@@ -3,44 +3,27 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterable
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from powerinfer.errors import PowerInferError
 from powerinfer.gguf.reader import PWRI_MAGIC
+from powerinfer.outputs import atomic_file
 
 
 @dataclass(frozen=True)
 class TensorData:
     """A tensor ready to write: plain arrays (F32, F16, I32) as they are, other types as uint8 blocks
-    [rows, bytes per row] from `gguf.quants.quantize`."""
+    [rows, bytes per row] from `gguf.quants.quantize`. `type_code` replaces the code written for
+    the type where the file's reader numbers types unlike the `gguf` package (PowerInfer's I32 is 18)."""
 
     name: str
     data: np.ndarray
     ggml_type: GGMLQuantizationType
-
-
-@contextmanager
-def atomic_output(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """A temporary path next to `path` that replaces it only if the block finishes."""
-    path = Path(path)
-    if path.parent and not path.parent.exists():
-        raise PowerInferError(f"output folder does not exist: {path.parent}")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    type_code: int | None = None
 
 
 def _add_value(writer: GGUFWriter, key: str, value: Any) -> None:
@@ -61,16 +44,19 @@ def _add_value(writer: GGUFWriter, key: str, value: Any) -> None:
 def write_gguf(path: str | os.PathLike[str], architecture: str, metadata: dict[str, Any],
                tensors: Iterable[TensorData], powerinfer: bool = False,
                typed_metadata: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]] | None = None,
-               progress: bool = False) -> None:
-    """Write a GGUF file (magic `PWRI` when `powerinfer`), replacing `path` only when complete."""
-    with atomic_output(path) as tmp:
+               progress: bool = False, replace: bool = True) -> None:
+    """Write a GGUF file (magic `PWRI` when `powerinfer`) that appears at `path` only when complete
+    (replacing an existing file only when `replace`)."""
+    with atomic_file(path, replace) as tmp:
         writer = GGUFWriter(tmp, architecture)
         for key, value in metadata.items():
             _add_value(writer, key, value)
         for key, (value, vtype, sub_type) in (typed_metadata or {}).items():
             writer.add_key_value(key, value, vtype, sub_type)
         for t in tensors:
-            writer.add_tensor(t.name, t.data, raw_dtype=t.ggml_type if t.data.dtype == np.uint8 else None)
+            # the writer packs raw_dtype as the type code, and sizes plain (non-uint8) arrays by themselves
+            raw_dtype = t.type_code if t.type_code is not None else t.ggml_type if t.data.dtype == np.uint8 else None
+            writer.add_tensor(t.name, t.data, raw_dtype=raw_dtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=progress)

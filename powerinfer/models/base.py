@@ -16,20 +16,23 @@ from powerinfer.models.layers import DecoderBlock, Embedding, LayerNorm, RMSNorm
 from powerinfer.ops.linear import CPU, Linear
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
 
+Which = Literal["all", "last", "hidden"]
+
 
 class CausalLM(ABC):
     """A decoder-only language model over compact GGUF weights.
 
     `forward` takes the tokens of one or more sequences concatenated (one span per sequence, in
     order), stores their keys and values in the cache, and returns float32 logits: for every
-    token (`which="all"`) or for the last token of each span (`which="last"`).
+    token (`which="all"`) or for the last token of each span (`which="last"`); `which="hidden"`
+    returns every token's final normalized hidden state instead (for embeddings).
     """
 
     config: ModelConfig
 
     @abstractmethod
     def forward(
-        self, tokens: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache, which: Literal["all", "last"] = "last"
+        self, tokens: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache, which: Which = "last"
     ) -> torch.Tensor: ...
 
     @property
@@ -85,18 +88,20 @@ class DecoderLM(CausalLM):
         return self.embedding(tokens)
 
     def forward(self, tokens: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache,
-                which: Literal["all", "last"] = "last") -> torch.Tensor:
+                which: Which = "last") -> torch.Tensor:
         x = self.embed(tokens, spans)
         for block in self.blocks:
             x = block(x, spans, cache)
         return self.logits(x, spans, which)
 
-    def logits(self, x: torch.Tensor, spans: Sequence[SeqSpan], which: Literal["all", "last"]) -> torch.Tensor:
-        """float32 logits from the last block's output x (all rows, or each span's last row)."""
+    def logits(self, x: torch.Tensor, spans: Sequence[SeqSpan], which: Which) -> torch.Tensor:
+        """float32 logits from the last block's output x (all rows, or each span's last row), or
+        with "hidden" the normalized rows themselves."""
         if which == "last" and x.shape[0] > len(spans):
             ends = torch.cumsum(torch.tensor([s.length for s in spans]), 0)
             x = x[ends.to(x.device) - 1]
-        return self.output(self.output_norm(x.to(self.output_device))).float().cpu()
+        hidden = self.output_norm(x.to(self.output_device))
+        return (hidden if which == "hidden" else self.output(hidden)).float().cpu()
 
     @property
     def weight_bytes_per_token(self) -> int:

@@ -5,6 +5,10 @@ a GGUF with the PWRI magic, architecture `generic.gpu_index`, `generic.gpu_index
 `split.vram_capacity` (u64: the neuron budget in bytes the index was made for), and per layer, in
 this order, `blk.N.gpu_idx` (I32 [n_ff], 1 = on the accelerator) and `blk.N.gpu_bucket` (I32, the
 sorted ids of those neurons). A file is never trusted: every id is checked against the model.
+
+I32 is written with type code 18, PowerInfer's ggml numbering (before the IQ types took 16-23),
+which its loader reads; the `gguf` package calls I32 26, and PowerInfer's loader divides by a zero
+block size on that. Both codes are read.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ ARCHITECTURE = "generic.gpu_index"
 CAPACITY_KEY = "split.vram_capacity"
 BLOCK_COUNT_KEY = f"{ARCHITECTURE}.block_count"
 SUFFIX = ".generated.gpuidx"
+POWERINFER_I32 = 18  # I32's type code in PowerInfer's ggml (the gguf package's 18 is IQ3_XXS)
 
 
 class StaleIndexError(PowerInferError):
@@ -35,23 +40,25 @@ def index_path(model: str | os.PathLike[str]) -> Path:
     return model.with_name(model.name + SUFFIX)
 
 
-def write_gpu_index(path: str | os.PathLike[str], plan: Plan) -> None:
-    """Write the plan's placement (atomically: a reader never sees half a file)."""
+def write_gpu_index(path: str | os.PathLike[str], plan: Plan, replace: bool = True) -> None:
+    """Write the plan's placement (atomically: a reader never sees half a file; an existing file
+    is replaced only when `replace`)."""
     tensors = []
     for i, (hot, n_ff) in enumerate(zip(plan.hot, plan.n_ff)):
         flags = np.zeros(n_ff, dtype=np.int32)
         flags[hot] = 1
-        tensors += [TensorData(f"blk.{i}.gpu_idx", flags, GGMLQuantizationType.I32),
-                    TensorData(f"blk.{i}.gpu_bucket", np.sort(hot).astype(np.int32), GGMLQuantizationType.I32)]
+        tensors += [TensorData(f"blk.{i}.gpu_idx", flags, GGMLQuantizationType.I32, POWERINFER_I32),
+                    TensorData(f"blk.{i}.gpu_bucket", np.sort(hot).astype(np.int32), GGMLQuantizationType.I32,
+                               POWERINFER_I32)]
     write_gguf(path, ARCHITECTURE, {BLOCK_COUNT_KEY: len(plan.hot)}, tensors, powerinfer=True,
-               typed_metadata={CAPACITY_KEY: (int(plan.capacity), GGUFValueType.UINT64, None)})
+               typed_metadata={CAPACITY_KEY: (int(plan.capacity), GGUFValueType.UINT64, None)}, replace=replace)
 
 
 def read_gpu_index(path: str | os.PathLike[str], n_ff: tuple[int, ...]) -> tuple[tuple[np.ndarray, ...], int]:
     """(sorted hot ids per layer, stored capacity in bytes) of an index made for a model with these
     layer widths. Raises `ModelFileError` for an unreadable file, `StaleIndexError` for one that
     does not match the model or contradicts itself."""
-    index = open_gguf(path)
+    index = open_gguf(path, type_codes={POWERINFER_I32: GGMLQuantizationType.I32})
     if index.get("general.architecture") != ARCHITECTURE:
         raise StaleIndexError(f"{path}: not a GPU index (architecture {index.get('general.architecture')!r})")
     layers, capacity = index.get(BLOCK_COUNT_KEY), index.get(CAPACITY_KEY)

@@ -192,7 +192,7 @@ def choose_placement(gguf: GGUFFile, config: ModelConfig, model_path: str | os.P
         raise PowerInferError("give either a VRAM budget or a number of GPU layers, not both")
     device = accelerator_device(accelerator)
     if device is None:
-        note(f"no CUDA device: {'the VRAM budget' if vram_budget is not None else 'n_gpu_layers'} is ignored "
+        note(f"no CUDA device: {'the VRAM budget' if vram_budget is not None else f'-ngl {n_gpu_layers}'} is ignored "
              "and everything runs on the CPU")
         return None
     if n_gpu_layers is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
@@ -65,15 +66,21 @@ class Engine:
             self.slot_tokens[slot].append(token)
         return logits
 
+    def copy_slot(self, source: int, target: int) -> None:
+        """Make `target` hold what `source` holds (its cached tokens, keys and values)."""
+        self.cache.copy_slot(source, target, len(self.slot_tokens[source]))
+        self.slot_tokens[target] = list(self.slot_tokens[source])
+
     @torch.inference_mode()
-    def all_logits(self, ids: Sequence[int], slot: int = 0) -> torch.Tensor:
-        """Logits at every position of `ids`, evaluated from an empty slot ([len(ids), n_vocab])."""
+    def all_logits(self, ids: Sequence[int], slot: int = 0, which: Literal["all", "hidden"] = "all") -> torch.Tensor:
+        """Logits at every position of `ids`, evaluated from an empty slot ([len(ids), n_vocab]);
+        `which="hidden"`: the final normalized hidden states instead ([len(ids), n_embd])."""
         self._check_fits(len(ids))
         self.slot_tokens[slot] = []
         rows = []
         for start in range(0, len(ids), self.n_batch):
             chunk = list(ids[start : start + self.n_batch])
-            rows.append(self.model.forward(torch.tensor(chunk), [SeqSpan(slot, start, len(chunk))], self.cache, "all"))
+            rows.append(self.model.forward(torch.tensor(chunk), [SeqSpan(slot, start, len(chunk))], self.cache, which))
             self.slot_tokens[slot].extend(chunk)
         return torch.cat(rows)
 

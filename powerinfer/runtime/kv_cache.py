@@ -61,3 +61,10 @@ class KVCache:
         k_cache[:, :, span.start : span.end] = keys
         v_cache[:, :, span.start : span.end] = values
         return k_cache[:, :, : span.end], v_cache[:, :, : span.end]
+
+    def copy_slot(self, source: int, target: int, length: int) -> None:
+        """Give slot `target` the first `length` positions of slot `source` (several sequences
+        continuing one evaluated prompt)."""
+        for layer in range(len(self.keys)):
+            for cache in (self._slot_keys[layer], self._slot_values[layer]):
+                cache[target][:, :, :length].copy_(cache[source][:, :, :length])

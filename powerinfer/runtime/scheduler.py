@@ -1,11 +1,16 @@
 """Continuous batching: one worker thread owns the engine; requests join and leave between decode steps.
 
-Each loop turn prefills the requests that found a free slot, then runs one batched decode step for
-every active sequence. Requests beyond the engine's slots wait in a queue. Results go back through
+Each loop turn prefills the requests that found free slots, then runs one batched decode step for
+every active sequence. A request may hold several sequences (OpenAI's `n`): its prompt is
+evaluated once and the slot's cache copied into the others. Requests beyond the engine's slots
+wait in a first-come queue. Results go back through
 each request's `deliver` callback, called on the worker thread (the server hands them to its event
 loop), so the callback must be quick and must not block. A request may also have a `flush`
 callback, called once after each round of prefills and each decode step that delivered it
 events: the server queues a step's events and wakes its event loop once for all of them.
+
+`call(fn)` runs fn(engine) on the worker between steps (embeddings use it, so the model is only
+ever driven from one thread).
 """
 
 from __future__ import annotations
@@ -14,40 +19,63 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from powerinfer.errors import PowerInferError
 from powerinfer.runtime.engine import Engine
-from powerinfer.runtime.sequence import Completion, GenerationSequence
+from powerinfer.runtime.sequence import Completion, GenerationSequence, TokenLogprob
 
 log = logging.getLogger(__name__)
 RATE_WINDOW_SECONDS = 10.0  # tokens/s is averaged over this window
+CLOSE_WAIT_SECONDS = 2.0  # how long close() waits for a step in progress before giving up on it
 
 
 @dataclass
 class Event:
-    """Text for one request; the last event has `completion` (finished) or `error` (failed)."""
+    """Text of one sequence (`index` among the request's); the sequence's last event has
+    `completion`, and an `error` ends the whole request."""
 
     text: str = ""
     completion: Completion | None = None
     error: Exception | None = None
+    index: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def final(self) -> bool:
+        """The last event of this sequence."""
         return self.completion is not None or self.error is not None
 
 
-class Request:
-    """A sequence to generate and where its events go. `cancel` may be called from any thread."""
+class LatencyObserver(Protocol):
+    """Receives latencies in seconds (the server's metrics histograms)."""
 
-    def __init__(self, sequence: GenerationSequence, deliver: Callable[[Event], None],
+    def queue_wait(self, seconds: float) -> None: ...
+    def first_token(self, seconds: float) -> None: ...
+    def inter_token(self, seconds: float) -> None: ...
+
+
+class Request:
+    """Sequences to generate from one prompt and where their events go. `cancel` may be called
+    from any thread."""
+
+    def __init__(self, sequences: GenerationSequence | Sequence[GenerationSequence], deliver: Callable[[Event], None],
                  flush: Callable[[], None] | None = None):
-        self.sequence = sequence
+        self.sequences = [sequences] if isinstance(sequences, GenerationSequence) else list(sequences)
         self.deliver, self.flush = deliver, flush
         self.cancelled = False
+        self.submitted = self.admitted = 0.0  # time.perf_counter() marks, for the latency observer
+        self.last_token_at: list[float | None] = [None] * len(self.sequences)
+        self.done = 0  # sequences finished
+
+    @property
+    def sequence(self) -> GenerationSequence:
+        return self.sequences[0]
 
 
 @dataclass
@@ -62,25 +90,34 @@ class Stats:
 class Scheduler:
     """Runs requests on `engine`'s slots from one background thread (see the module docstring)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, observer: LatencyObserver | None = None):
         self.engine = engine
         self.n_slots = engine.n_slots
+        self.observer = observer
         self._waiting: deque[Request] = deque()
-        self._active: dict[int, Request] = {}  # slot -> request; touched by the worker only
+        self._active: dict[int, tuple[Request, int]] = {}  # slot -> (request, sequence index); worker only
+        self._calls: deque[tuple[Callable[[Engine], Any], Future]] = deque()
         self._wake = threading.Condition()
         self._stopping = False
         self._stats = Stats()
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent decode steps
         self._unflushed: set[Callable[[], None]] = set()  # flush callbacks owed; touched by the worker only
+        self._progress_at = time.monotonic()  # when the worker last finished a step or found nothing to do
         self._thread = threading.Thread(target=self._loop, name="powerinfer-scheduler", daemon=True)
         self._thread.start()
 
     # -- called from other threads --------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
+        if len(request.sequences) > self.n_slots:
+            raise PowerInferError(f"{len(request.sequences)} sequences asked for, but there are only "
+                                  f"{self.n_slots} slots (the server's --parallel)")
+        request.submitted = time.perf_counter()
         with self._wake:
             if self._stopping:
                 raise PowerInferError("the server is shutting down")
+            if not self._waiting and not self._active:  # an idle worker has not been stuck meanwhile
+                self._progress_at = time.monotonic()
             self._waiting.append(request)
             self._stats.requests += 1
             self._stats.queued = len(self._waiting)
@@ -94,6 +131,24 @@ class Scheduler:
                 self._waiting.remove(request)
                 self._stats.queued = len(self._waiting)
 
+    def call(self, fn: Callable[[Engine], Any]) -> Future:
+        """Run fn(engine) on the worker thread between steps; the future holds its result or error."""
+        future: Future = Future()
+        with self._wake:
+            if self._stopping:
+                raise PowerInferError("the server is shutting down")
+            self._calls.append((fn, future))
+            self._wake.notify()
+        return future
+
+    def slots(self) -> list[tuple[bool, int, int]]:
+        """Per slot: (generating, tokens in its cache, tokens generated), as seen now."""
+        with self._wake:  # the worker changes _active under this lock
+            active = dict(self._active)
+        return [(s in active, self.engine.tokens_in(s),
+                 len(active[s][0].sequences[active[s][1]].generated) if s in active else 0)
+                for s in range(self.n_slots)]
+
     def stats(self) -> Stats:
         with self._wake:
             return Stats(**vars(self._stats))
@@ -104,69 +159,110 @@ class Scheduler:
             self._forget_old(time.perf_counter())
             return sum(n for _, n in self._recent) / RATE_WINDOW_SECONDS
 
-    def close(self) -> None:
+    def stalled_seconds(self) -> float:
+        """How long requests have been waiting or running without the worker finishing a step
+        (0 while it has nothing to do): a watchdog's measure of a stuck worker."""
+        with self._wake:
+            if not self._waiting and not self._active:
+                return 0.0
+            return time.monotonic() - self._progress_at
+
+    def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> bool:
+        """Stop the worker: requests still waiting or running fail. Returns False when a step in
+        progress did not end within `timeout` (the thread is a daemon: it dies with the process)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        self._thread.join()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the scheduler's current step did not finish within %.0f s; leaving it", timeout)
+            return False
+        return True
 
     # -- the worker -----------------------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not self._waiting and not self._active:
+                while not self._stopping and not self._waiting and not self._active and not self._calls:
                     self._wake.wait()
                 if self._stopping:
                     break
                 admitted = self._admit()
-            for slot, request in admitted:
-                self._prefill(slot, request)
+                calls, self._calls = self._calls, deque()
+            for fn, future in calls:
+                self._run_call(fn, future)
+                self._progressed()
+            for slots, request in admitted:
+                self._prefill(slots, request)
+                self._progressed()
             self._flush()
             self._drop_cancelled()
             if self._active:
                 self._decode_step()
+                self._progressed()
                 self._flush()
         self._fail_all(PowerInferError("the server is shutting down"))
         self._flush()
 
-    def _admit(self) -> list[tuple[int, Request]]:
-        """Waiting requests moved into free slots, lowest slot first (caller holds the lock)."""
+    def _admit(self) -> list[tuple[list[int], Request]]:
+        """Waiting requests moved into free slots, first come first served, lowest slots first
+        (caller holds the lock). A request waits until all its sequences have slots."""
         free = [s for s in range(self.n_slots) if s not in self._active]
         admitted = []
-        while free and self._waiting:
+        while self._waiting and len(self._waiting[0].sequences) <= len(free):
             request = self._waiting.popleft()
-            slot = free.pop(0)
-            self._active[slot] = request
-            admitted.append((slot, request))
+            slots, free = free[: len(request.sequences)], free[len(request.sequences) :]
+            for index, slot in enumerate(slots):
+                self._active[slot] = (request, index)
+            admitted.append((slots, request))
         self._stats.queued, self._stats.active = len(self._waiting), len(self._active)
         return admitted
 
-    def _prefill(self, slot: int, request: Request) -> None:
-        if request.cancelled:
-            self._release(slot)
+    def _run_call(self, fn: Callable[[Engine], Any], future: Future) -> None:
+        if not future.set_running_or_notify_cancel():
             return
-        sequence = request.sequence
         try:
-            started = time.perf_counter()
-            # No prefix reuse: results then equal a fresh evaluation exactly (as `LLM.generate` does).
-            logits = self.engine.prefill(slot, sequence.prompt, reuse_prefix=False)
-            sequence.timings.prompt_seconds = time.perf_counter() - started
-        except Exception as error:  # noqa: BLE001 - one bad request must not stop the others
-            self._fail(slot, error)
+            future.set_result(fn(self.engine))
+        except Exception as error:  # noqa: BLE001 - the caller gets it
+            future.set_exception(error)
+
+    def _prefill(self, slots: list[int], request: Request) -> None:
+        if request.cancelled:
+            self._release_request(request)
             return
+        request.admitted = time.perf_counter()
+        if self.observer is not None:
+            self.observer.queue_wait(request.admitted - request.submitted)
+        prompt = request.sequence.prompt
+        try:
+            # No prefix reuse: results then equal a fresh evaluation exactly (as `LLM.generate` does).
+            logits = self.engine.prefill(slots[0], prompt, reuse_prefix=False)
+            for slot in slots[1:]:  # the other choices start from the same evaluated prompt
+                self.engine.copy_slot(slots[0], slot)
+        except Exception as error:  # noqa: BLE001 - one bad request must not stop the others
+            self._fail(slots[0], error)
+            return
+        elapsed = time.perf_counter() - request.admitted
         with self._wake:
-            self._stats.prompt_tokens += len(sequence.prompt)
-        if sequence.finished:  # max_tokens=0 evaluates the prompt only
-            self._emit(slot, "")
-        else:
-            self._count(self._accept(slot, logits))
+            self._stats.prompt_tokens += len(prompt)
+        generated = 0
+        for slot in slots:
+            sequence = request.sequences[self._active[slot][1]]
+            sequence.timings.prompt_seconds = elapsed
+            if sequence.finished:  # max_tokens=0 evaluates the prompt only
+                self._emit(slot, "")
+            else:
+                generated += self._accept(slot, logits)
+            if request.cancelled:  # it failed (a choice that finished at once just left its slot)
+                break
+        self._count(generated)
 
     def _decode_step(self) -> None:
         slots = sorted(self._active)
         try:
             started = time.perf_counter()
-            logits = self.engine.decode([(s, self._active[s].sequence.last_token) for s in slots])
+            logits = self.engine.decode([(s, self._sequence(s).last_token) for s in slots])
             elapsed = time.perf_counter() - started
         except Exception as error:  # noqa: BLE001 - fail this step's requests, keep serving
             for slot in slots:
@@ -174,48 +270,74 @@ class Scheduler:
             return
         generated = 0
         for row, slot in enumerate(slots):
-            timings = self._active[slot].sequence.timings
+            if slot not in self._active:  # its request failed on an earlier row
+                continue
+            timings = self._sequence(slot).timings
             timings.decode_seconds += elapsed  # each sequence waited for the whole step
             timings.decode_steps += 1
             generated += self._accept(slot, logits[row])
         self._count(generated)
 
+    def _sequence(self, slot: int) -> GenerationSequence:
+        request, index = self._active[slot]
+        return request.sequences[index]
+
     def _accept(self, slot: int, logits: torch.Tensor) -> int:
         """Sample the next token of the sequence in `slot` and pass on its text; returns the
         number of tokens it generated (0 at the end of generation)."""
-        sequence = self._active[slot].sequence
+        request, index = self._active[slot]
+        sequence = request.sequences[index]
         before = len(sequence.generated)
         try:
             text = sequence.accept(logits)
         except Exception as error:  # noqa: BLE001
             self._fail(slot, error)
             return 0
+        self._observe_token(request, index)
         self._emit(slot, text)
         return len(sequence.generated) - before
 
+    def _observe_token(self, request: Request, index: int) -> None:
+        if self.observer is None:
+            return
+        now, last = time.perf_counter(), request.last_token_at[index]
+        if last is not None:
+            self.observer.inter_token(now - last)
+        elif all(t is None for t in request.last_token_at):  # the request's first token
+            self.observer.first_token(now - request.submitted)
+        request.last_token_at[index] = now
+
     def _emit(self, slot: int, text: str) -> None:
-        request = self._active[slot]
-        finished = request.sequence.finished
-        if text or finished:
-            self._send(request, Event(text, request.sequence.completion() if finished else None))
+        request, index = self._active[slot]
+        sequence = request.sequences[index]
+        finished = sequence.finished
+        logprobs = sequence.take_logprobs()
+        if text or finished or logprobs:
+            self._send(request, Event(text, sequence.completion() if finished else None, index=index, logprobs=logprobs))
         if finished:
+            request.done += 1
             self._release(slot)
 
     def _fail(self, slot: int, error: Exception) -> None:
+        """Fail the request in `slot`, with all its sequences."""
         if not isinstance(error, PowerInferError):
             log.exception("generation failed", exc_info=error)
-        request = self._active.get(slot)
-        if request is not None:
+        if slot in self._active:
+            request = self._active[slot][0]
+            request.cancelled = True
             self._send(request, Event(error=error))
-            self._release(slot)
+            self._release_request(request)
 
     def _fail_all(self, error: Exception) -> None:
         for slot in list(self._active):
             self._fail(slot, error)
         with self._wake:
             waiting, self._waiting = list(self._waiting), deque()
+            calls, self._calls = self._calls, deque()
         for request in waiting:
             self._send(request, Event(error=error))
+        for _, future in calls:
+            future.cancel()
 
     def _send(self, request: Request, event: Event) -> None:
         try:
@@ -235,7 +357,11 @@ class Scheduler:
                 pass
 
     def _drop_cancelled(self) -> None:
-        for slot in [s for s, r in self._active.items() if r.cancelled]:
+        for slot in [s for s, (r, _) in self._active.items() if r.cancelled]:
+            self._release(slot)
+
+    def _release_request(self, request: Request) -> None:
+        for slot in [s for s, (r, _) in self._active.items() if r is request]:
             self._release(slot)
 
     def _release(self, slot: int) -> None:
@@ -243,6 +369,10 @@ class Scheduler:
         with self._wake:
             del self._active[slot]
             self._stats.active = len(self._active)
+
+    def _progressed(self) -> None:
+        with self._wake:
+            self._progress_at = time.monotonic()
 
     def _count(self, tokens: int) -> None:
         now = time.perf_counter()

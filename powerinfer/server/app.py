@@ -1,50 +1,64 @@
 """The HTTP app: OpenAI-compatible routes, llama.cpp-style routes, health and metrics.
 
 `create_app(llm)` serves a loaded `LLM`; `create_app(factory)` loads one in a background thread at
-startup, answering 503 on /health (and on the model routes) until it is ready. `create_app(...,
-replica=name)` is one of several replicas behind a router (powerinfer/server/ray_app.py).
+startup, answering 503 on /health (and on the model routes) until it is ready. Tokenizing and
+template rendering run in worker threads, so a large prompt never holds up other requests.
+`create_app(..., replica=name)` is one of several replicas behind a router (powerinfer/server/ray_app.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
+from importlib.metadata import version
+from typing import Any
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from powerinfer.errors import PowerInferError
 from powerinfer.llm import LLM
+from powerinfer.api import schemas
+from powerinfer.api.prepare import Prepared, prepare_chat, prepare_completion
+from powerinfer.api.replies import OpenAIReply, embedding_list
 from powerinfer.runtime.scheduler import Scheduler
-from powerinfer.server import schemas
+from powerinfer.runtime.sequence import GenerationSequence
 from powerinfer.server.errors import APIError, install_handlers
+from powerinfer.server.gate import DEFAULT_MAX_BODY_SIZE, RequestGate
 from powerinfer.server.generation import ClientGone, Generation
+from powerinfer.server.metrics import Metrics
 from powerinfer.server.replica import REPLICA_LABEL, ReplicaHeader, label_series
-from powerinfer.server.replies import OpenAIReply, llama_final, llama_stream, prometheus
+from powerinfer.server.replies import llama_final, llama_stream, openai_stream
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DEFAULT_WATCHDOG_SECONDS = 120.0  # a prefill of a long prompt on a large model is one step
 
 
 class ServerState:
     """The model and its scheduler once loaded, or why loading failed."""
 
-    def __init__(self, parallel: int):
-        self.parallel = parallel
+    def __init__(self, parallel: int, watchdog_seconds: float):
+        self.parallel, self.watchdog_seconds = parallel, watchdog_seconds
         self.llm: LLM | None = None
         self.scheduler: Scheduler | None = None
-        self.model_id = ""
+        self.model_id = ""  # the file's name: answers never show where the model lives
         self.load_error: Exception | None = None
         self.started = int(time.time())
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.live: set[Generation] = set()  # requests answering now (ended with an error on shutdown)
+        self.shutting_down = False
+        self.metrics = Metrics()
 
     def start(self, llm: LLM) -> None:
         self.model_id = Path(llm.path).name
-        self.scheduler = Scheduler(llm.new_engine(self.parallel))
+        self.scheduler = self.metrics.scheduler = Scheduler(llm.new_engine(self.parallel), observer=self.metrics)
         self.llm = llm
 
     def ready(self) -> tuple[LLM, Scheduler]:
@@ -54,42 +68,58 @@ class ServerState:
         return self.llm, self.scheduler
 
     def check_model(self, name: str | None) -> None:
-        """Clients name the model they want; any name of the one loaded is accepted."""
+        """Clients name the model they want: its id, or the id without extension. A path is not a
+        name (accepting it would confirm where the file lives)."""
         llm, _ = self.ready()
-        if name and name not in {self.model_id, Path(llm.path).stem, str(llm.path)}:
+        if name and name not in {self.model_id, Path(llm.path).stem}:
             raise APIError(404, f"model {name!r} not found (this server runs {self.model_id!r})", param="model",
                            code="model_not_found")
+
 
     def health(self) -> tuple[int, str]:
         if self.llm is None or self.scheduler is None:
             return 503, "error" if self.load_error else "loading"
+        if self.shutting_down:
+            return 503, "shutting down"
+        if self.scheduler.stalled_seconds() > self.watchdog_seconds:
+            return 503, "stalled"
         return 200, "ok"
 
+    def begin_shutdown(self) -> None:
+        """End every answer in progress with an error (streams get an error event); callable from
+        a signal handler: the work happens on the event loop."""
+        self.shutting_down = True
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._end_live)
 
-class JSONBodies:
-    """Reads every POST body as JSON whatever its Content-Type, as llama.cpp's server does
-    (`curl -d` sends form encoding)."""
+    def _end_live(self) -> None:
+        for generation in list(self.live):
+            generation.abort(APIError(503, "the server is shutting down", type="unavailable_error"))
 
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        await self.app(scope, receive, send)
+    def generation(self, scheduler: Scheduler, sequences: GenerationSequence | list[GenerationSequence]) -> Generation:
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down", type="unavailable_error")
+        generation = Generation(scheduler, sequences, on_end=self.live.discard)
+        self.live.add(generation)
+        return generation
 
 
 def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
-               on_load_error: Callable[[Exception], None] | None = None, *, replica: str | None = None) -> FastAPI:
+               on_load_error: Callable[[Exception], None] | None = None, *,
+               allowed_hosts: Collection[str] | None = None, api_keys: Collection[str] = (),
+               max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+               watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS, replica: str | None = None) -> FastAPI:
     """The server app over `llm` (or a function that loads it), with `parallel` KV-cache slots.
 
-    `replica`: this app's name among several serving the same model: every answer carries it in
-    an x-powerinfer-replica header, and /metrics labels its series with it.
+    `allowed_hosts`: names the Host header may carry (None: any); `api_keys`: keys a request must
+    present as a bearer token (none: no key needed); `max_body_size`: bytes per request body;
+    `watchdog_seconds`: /health answers 503 once work has waited this long without the
+    scheduler finishing a step; `replica`: this app's name among several serving the same model
+    (every answer carries it in an x-powerinfer-replica header, and /metrics labels its series with it).
     """
     if parallel < 1:
         raise PowerInferError("parallel must be >= 1")
-    state = ServerState(parallel)
+    state = ServerState(parallel, watchdog_seconds)
 
     def load(factory: Callable[[], LLM]) -> None:
         try:
@@ -103,6 +133,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
         if isinstance(llm, LLM):
             state.start(llm)
         else:
@@ -113,8 +144,8 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
 
     app = FastAPI(title="powerinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
-    app.add_middleware(JSONBodies)
-    if replica is not None:
+    app.add_middleware(RequestGate, allowed_hosts=allowed_hosts, api_keys=api_keys, max_body_size=max_body_size)
+    if replica is not None:  # added last, so outermost: the gate's refusals name the replica too
         app.add_middleware(ReplicaHeader, name=replica)
     install_handlers(app)
 
@@ -128,12 +159,12 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
         return JSONResponse({"status": word}, status_code=status)
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        _, scheduler = state.ready()
-        text = prometheus(scheduler)
+    async def metrics() -> Response:
+        state.ready()
+        text = state.metrics.text().decode()
         if replica is not None:
             text = label_series(text, REPLICA_LABEL, replica)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -142,10 +173,29 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
                                             "owned_by": "powerinfer", "meta": {"n_ctx": llm.n_ctx,
                                                                                "n_vocab": llm.config.n_vocab}}]}
 
+    @app.get("/props")
+    async def props() -> dict:
+        """llama-server's: what its web UI and clients read (the model's path is not among them)."""
+        llm, _ = state.ready()
+        defaults = schemas.LlamaCompletionRequest(prompt="")
+        params = {**defaults.sampling(), "seed": -1, "n_predict": defaults.n_predict, "stop": [], "n_probs": 0,
+                  "stream": False, "logit_bias": []}
+        return {"default_generation_settings": {"n_ctx": llm.n_ctx, "params": params, "model": state.model_id},
+                "total_slots": state.parallel, "model_path": state.model_id, "model_alias": state.model_id,
+                "chat_template": llm.tokenizer.chat_template or "", "modalities": {"vision": False, "audio": False},
+                "build_info": f"powerinfer {version('powerinfer')}"}
+
+    @app.get("/slots")
+    async def slots() -> list[dict]:
+        llm, scheduler = state.ready()
+        return [{"id": slot, "n_ctx": llm.n_ctx, "is_processing": busy, "state": int(busy), "n_tokens": cached,
+                 "next_token": {"n_decoded": decoded}}
+                for slot, (busy, cached, decoded) in enumerate(scheduler.slots())]
+
     @app.post("/tokenize")
     async def tokenize(body: schemas.TokenizeRequest) -> dict:
         llm, _ = state.ready()
-        return {"tokens": llm.tokenize(body.content, add_bos=body.add_special)}
+        return {"tokens": await run_in_threadpool(llm.tokenize, body.content, add_bos=body.add_special)}
 
     @app.post("/detokenize")
     async def detokenize(body: schemas.DetokenizeRequest) -> dict:
@@ -155,39 +205,47 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
             raise APIError(400, f"token id {bad[0]} is out of range (vocabulary of {llm.config.n_vocab})", param="tokens")
         return {"content": llm.detokenize(body.tokens)}
 
-    @app.post("/v1/completions")
-    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
+    async def openai_answer(body: schemas.OpenAIRequest, prepare: Callable[[LLM, Any], Prepared],
+                            request: Request, chat: bool) -> Response:
         state.check_model(body.model)
         llm, scheduler = state.ready()
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
-        sequence = llm.new_sequence(body.single_prompt(), max_tokens, body.stops(), **body.sampling())
-        generation = Generation(scheduler, sequence)
-        reply = OpenAIReply("text_completion", state.model_id, chat=False)
+        if body.choices > scheduler.n_slots:
+            raise APIError(400, f"n={body.choices} is more than the server's {scheduler.n_slots} slots (--parallel)",
+                           param="n")
+        prepared = await run_in_threadpool(prepare, llm, body)
+        generation = state.generation(scheduler, prepared.sequences)
+        reply = OpenAIReply(state.model_id, llm.tokenizer, prepared, chat)
         if body.stream:
-            return streaming(reply.stream(generation, include_usage=_usage_wanted(body)))
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return streaming(openai_stream(reply, generation, include_usage))
         return JSONResponse(reply.whole(await generation.result(request)))
+
+    @app.post("/v1/completions")
+    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
+        return await openai_answer(body, prepare_completion, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatRequest, request: Request) -> Response:
+        return await openai_answer(body, prepare_chat, request, chat=True)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: schemas.EmbeddingRequest) -> dict:
         state.check_model(body.model)
         llm, scheduler = state.ready()
-        ids = llm.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages])
-        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        sequence = llm.new_sequence(ids, llm.n_ctx if limit is None else limit, body.stops(), **body.sampling())
-        generation = Generation(scheduler, sequence)
-        reply = OpenAIReply("chat.completion", state.model_id, chat=True)
-        if body.stream:
-            return streaming(reply.stream(generation, include_usage=_usage_wanted(body)))
-        return JSONResponse(reply.whole(await generation.result(request)))
+        inputs = body.inputs()
+        # On the scheduler's thread, between its steps: one thread drives the model.
+        vectors, n_tokens = await asyncio.wrap_future(scheduler.call(lambda _: llm.embed_with_counts(inputs)))
+        return embedding_list(vectors, n_tokens, state.model_id, body.encoding_format)
 
     @app.post("/completion")
     async def llama_completion(body: schemas.LlamaCompletionRequest, request: Request) -> Response:
         llm, scheduler = state.ready()
         max_tokens = llm.n_ctx if body.n_predict < 0 else body.n_predict
-        generation = Generation(scheduler, llm.new_sequence(body.prompt, max_tokens, body.stops(), **body.sampling()))
+        sequence = await run_in_threadpool(llm.new_sequence, body.prompt, max_tokens, body.stops(), **body.sampling())
+        generation = state.generation(scheduler, sequence)
         if body.stream:
             return streaming(llama_stream(generation, state.model_id))
-        completion = await generation.result(request)
+        completion = (await generation.result(request))[0]
         return JSONResponse({"content": completion.text, **llama_final(generation.sequence, completion, state.model_id)})
 
     return app
@@ -195,7 +253,3 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
 
 def streaming(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-
-
-def _usage_wanted(body: schemas.OpenAIRequest) -> bool:
-    return body.stream_options is not None and body.stream_options.include_usage

@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from powerinfer.api.schemas import validation_message
 from powerinfer.errors import ContextOverflowError, PowerInferError
 
 log = logging.getLogger(__name__)
@@ -43,20 +44,10 @@ def _respond(error: APIError) -> JSONResponse:
     return JSONResponse(error_body(error.message, error.type, error.param, error.code), status_code=error.status)
 
 
-def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
-    first = error.errors()[0] if error.errors() else {"msg": "invalid request", "loc": ()}
-    if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
-        reason = first.get("ctx", {}).get("error")
-        return f"the request body is not valid JSON{f' ({reason})' if reason else ''}", None
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # The message shows the whole path (union members included); param names the top-level field.
-    return f"{'.'.join(loc) or 'request body'}: {first['msg']}", (loc[0] if loc else None)
-
-
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(error)
+        message, param = validation_message(list(error.errors()))
         return _respond(APIError(400, message, param=param))
 
     @app.exception_handler(HTTPException)

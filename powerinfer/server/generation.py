@@ -7,7 +7,7 @@ import json
 import threading
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request as HTTPRequest
 
@@ -65,29 +65,40 @@ _MAILBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weak
 
 
 class Generation:
-    """Runs `sequence` on the scheduler; events arrive on this event loop's queue."""
+    """Runs `sequences` (one request's choices) on the scheduler; events arrive on this event
+    loop's queue."""
 
-    def __init__(self, scheduler: Scheduler, sequence: GenerationSequence):
+    def __init__(self, scheduler: Scheduler, sequences: GenerationSequence | list[GenerationSequence],
+                 on_end: Callable[["Generation"], None] | None = None):
         mailbox = Mailbox.of(asyncio.get_running_loop())
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.request = Request(sequence, lambda event: mailbox.put(self.queue, event), mailbox.wake)
+        self.request = Request(sequences, lambda event: mailbox.put(self.queue, event), mailbox.wake)
         self.scheduler = scheduler
-        self.sequence = sequence
+        self.sequence = self.request.sequence
+        self.on_end = on_end
+
+    def abort(self, error: Exception) -> None:
+        """End the answer with `error` now, whatever the scheduler is doing (call on the event loop)."""
+        self.queue.put_nowait(Event(error=error))
 
     async def events(self, client: HTTPRequest | None = None) -> AsyncIterator[Event]:
-        """Events up to the final one. Stopping early (a streaming client that went away cancels
-        the task consuming this) cancels the request, which frees its slot. With `client`, a
-        disconnect is also noticed while waiting (non-streaming answers)."""
+        """Events until every choice finished or one failed. Stopping early (a streaming client
+        that went away cancels the task consuming this) cancels the request, which frees its
+        slots. With `client`, a disconnect is also noticed while waiting (non-streaming answers)."""
         self.scheduler.submit(self.request)
+        finished = 0
         try:
             while True:
                 # Streaming: a disconnect cancels the task consuming this, no polling needed.
                 event = await (self.queue.get() if client is None else self._next_watching(client))
                 yield event
-                if event.final:
+                finished += event.completion is not None
+                if event.error is not None or finished == len(self.request.sequences):
                     return
         finally:
             self.scheduler.cancel(self.request)
+            if self.on_end is not None:
+                self.on_end(self)
 
     async def _next_watching(self, client: HTTPRequest) -> Event:
         """The next event, checking every DISCONNECT_POLL_SECONDS that the client is still there."""
@@ -98,14 +109,17 @@ class Generation:
                 if await client.is_disconnected():
                     raise ClientGone() from None
 
-    async def result(self, client: HTTPRequest) -> Completion:
-        """The finished completion; a failed generation raises its error."""
+    async def result(self, client: HTTPRequest) -> list[Completion]:
+        """The finished completions, one per choice; a failed generation raises its error."""
+        completions: dict[int, Completion] = {}
         async for event in self.events(client):
             if event.error is not None:
                 raise event.error
             if event.completion is not None:
-                return event.completion
-        raise ClientGone()
+                completions[event.index] = event.completion
+        if len(completions) < len(self.request.sequences):
+            raise ClientGone()
+        return [completions[i] for i in sorted(completions)]
 
 
 def sse(data: dict | str) -> str:

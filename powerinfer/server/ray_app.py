@@ -74,8 +74,9 @@ def deployment_options(args: argparse.Namespace) -> dict:
         raise PowerInferError("--replicas fixes the count; autoscaling (--min-replicas, --max-replicas, "
                               "--target-ongoing-requests) is the other choice, not both")
     num_gpus = args.num_gpus or 0.0
-    if args.vram_budget and not num_gpus and args.accelerator != "cpu":
-        raise PowerInferError("--vram-budget with --ray needs --num-gpus: each replica's budget is on the GPU Ray gives it")
+    if (args.vram_budget or args.n_gpu_layers) and not num_gpus and args.accelerator != "cpu":
+        flag = "--vram-budget" if args.vram_budget else "-ngl"
+        raise PowerInferError(f"{flag} with --ray needs --num-gpus: each replica offloads to the GPU Ray gives it")
     target = args.target_ongoing_requests or args.parallel
     options: dict[str, Any] = dict(
         ray_actor_options={"num_cpus": cpus_per_replica(args), "num_gpus": num_gpus},
@@ -99,18 +100,18 @@ def cpus_per_replica(args: argparse.Namespace) -> float:
     return 1.0 if args.num_cpus is None else args.num_cpus
 
 
-def replica_deployment(args: argparse.Namespace):
-    """The deployment: `create_app` over the model `args` names, one per replica, named after it."""
+def replica_deployment(args: argparse.Namespace, app_options: dict):
+    """The deployment: `create_app(**app_options)` over the model `args` names, one per replica,
+    named after it."""
     from ray import serve
 
-    from powerinfer.commands.run import load_llm
-    from powerinfer.commands.serve import app_options
+    from powerinfer.commands.common import load_llm
     from powerinfer.server.app import create_app
 
     def build_app():  # runs in the replica, after the class's constructor
         context = serve.get_replica_context()
         name = f"{context.deployment}#{context.replica_id.unique_id}"
-        return create_app(lambda: load_llm(args), replica=name, **app_options(args))
+        return create_app(lambda: load_llm(args), replica=name, **app_options)
 
     @serve.ingress(build_app)
     class PowerInferReplica:
@@ -127,22 +128,34 @@ def replica_deployment(args: argparse.Namespace):
     return serve.deployment(PowerInferReplica, name=DEPLOYMENT_NAME)
 
 
-def deploy(args: argparse.Namespace, options: dict) -> str:
-    """Deploys the replicas on the Ray this process is connected to and waits until they all
-    serve; returns the base URL of Ray's HTTP proxy."""
-    from ray import serve
+def prepare(args: argparse.Namespace) -> dict:
+    """What replicas need decided once, here: the model file checked and named by its local path
+    (a Hugging Face name is fetched here, not on every replica), threads, create_app's keywords
+    (API keys read from their file here). Returns those keywords."""
+    from powerinfer.commands.serve import app_options, checked_model
 
-    from powerinfer.commands.serve import checked_model, listen
-
+    options = app_options(args)
     # Replicas read the file at the same path: on a cluster, a shared or identical path on every node.
     args.model = str(checked_model(args).resolve())
+    args.hf_repo = args.hf_file = None
     if args.threads is None:
         args.threads = max(1, int(cpus_per_replica(args)))
+    return options
+
+
+def deploy(args: argparse.Namespace, options: dict) -> str:
+    """Deploys the replicas (Serve's deployment `options`) on the Ray this process is connected to
+    and waits until they all serve; returns the base URL of Ray's HTTP proxy."""
+    from ray import serve
+
+    from powerinfer.commands.serve import listen
+
+    app_options = prepare(args)
     with listen(args.host, args.port) as probe:  # a taken port is one line here; 0 picks a free one for Ray's proxy
         port = probe.getsockname()[1]
     serve.start(http_options={"host": args.host, "port": port})
     try:
-        serve.run(replica_deployment(args).options(**options).bind(), name=APP_NAME, route_prefix="/")
+        serve.run(replica_deployment(args, app_options).options(**options).bind(), name=APP_NAME, route_prefix="/")
     except RuntimeError as error:
         raise PowerInferError(f"the replicas did not start: {str(error).strip().splitlines()[-1]}") from None
     return f"http://{args.host}:{port}"

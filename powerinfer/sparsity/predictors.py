@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,12 +30,14 @@ from tqdm import tqdm
 from powerinfer.errors import PowerInferError
 from powerinfer.models.base import CausalLM
 from powerinfer.runtime.engine import Engine
-from powerinfer.sparsity.files import atomic_directory
+from powerinfer.outputs import OwnedNames, atomic_directory
+from powerinfer.sparsity.files import load_json, load_torch_file, numbered_files
 from powerinfer.sparsity.profiler import calibration_chunks, observe_ffn
 
 SPLITS = (0.8, 0.1, 0.1)  # train, calibration (threshold), held-out (report)
 COLLECT_BYTES = 4 << 30  # collected activations per pass over the text; more layers take more passes
 CONFIG_FILE = "config.json"
+PREDICTOR_FILES = OwnedNames(re.compile(r"model_\d+\.pt|config\.json"), "model_*.pt, config.json")
 
 
 @dataclass(frozen=True)
@@ -218,8 +221,10 @@ def train_predictors(model: CausalLM, ids: Sequence[int], thresholds: Sequence[f
 # ---------------------------------------------------------------- PowerInfer's predictor directory
 
 def save_predictors(directory: str | Path, predictors: Sequence[TrainedPredictor],
-                    reports: Sequence[LayerReport] = (), activation_thresholds: Sequence[float] | None = None) -> None:
-    """Write model_{i}.pt (fc1.weight [R, d], fc2.weight [n_ff, R]) and config.json, atomically.
+                    reports: Sequence[LayerReport] = (), activation_thresholds: Sequence[float] | None = None,
+                    replace: bool = True) -> None:
+    """Write model_{i}.pt (fc1.weight [R, d], fc2.weight [n_ff, R]) and config.json, atomically
+    (into a non-empty folder only when `replace`, and then touching only those names).
 
     config.json's `sparse_threshold` (PowerInfer's single threshold) is the lowest of the layer
     thresholds, so that tools reading only it still meet the recall target everywhere;
@@ -230,7 +235,7 @@ def save_predictors(directory: str | Path, predictors: Sequence[TrainedPredictor
         config["activation_thresholds"] = list(activation_thresholds)
     if reports:
         config["report"] = [asdict(r) for r in reports]
-    with atomic_directory(directory) as staging:
+    with atomic_directory(directory, PREDICTOR_FILES, replace) as staging:
         for i, p in enumerate(predictors):
             torch.save({"fc1.weight": p.fc1.to(torch.float16), "fc2.weight": p.fc2.to(torch.float16)},
                        staging / f"model_{i}.pt")
@@ -257,23 +262,14 @@ class PredictorDirectory:
 def load_predictors(directory: str | Path) -> PredictorDirectory:
     """Read a predictor directory (ours or PowerInfer's)."""
     directory = Path(directory)
-    files = sorted(directory.glob("model_*.pt"), key=lambda p: int(p.stem.split("_")[-1]) if p.stem.split("_")[-1].isdigit() else -1)
-    if not files:
-        raise PowerInferError(f"{directory}: no model_*.pt predictor files")
-    if [p.stem for p in files] != [f"model_{i}" for i in range(len(files))]:
-        raise PowerInferError(f"{directory}: predictor files are not model_0.pt .. model_{len(files) - 1}.pt")
     fc1, fc2 = [], []
-    for path in files:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            fc1.append(state["fc1.weight"].float())
-            fc2.append(state["fc2.weight"].float())
-        except Exception as error:  # torch raises many types for a damaged file
-            raise PowerInferError(f"{path}: not a predictor state dict ({str(error).splitlines()[0]})") from None
-    config_path = directory / CONFIG_FILE
-    try:
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
-    except json.JSONDecodeError as error:
-        raise PowerInferError(f"{config_path}: invalid JSON ({error})") from None
+    for path in numbered_files(directory, "model"):
+        state = load_torch_file(path)
+        weights = [state.get(key) if isinstance(state, dict) else None for key in ("fc1.weight", "fc2.weight")]
+        if not all(isinstance(w, torch.Tensor) and w.is_floating_point() for w in weights):
+            raise PowerInferError(f"{path}: not a predictor state dict (float fc1.weight and fc2.weight)")
+        fc1.append(weights[0].float())
+        fc2.append(weights[1].float())
+    config = load_json(directory / CONFIG_FILE)
     return PredictorDirectory(fc1, fc2, float(config.get("sparse_threshold", 0.0)), config.get("layer_thresholds"),
                               config.get("activation_thresholds"))

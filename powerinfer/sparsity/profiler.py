@@ -12,6 +12,7 @@ per layer (how often each neuron fired), plus DIR/activation/profile.json with t
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,13 +23,15 @@ from tqdm import tqdm
 from powerinfer.errors import PowerInferError
 from powerinfer.models.base import CausalLM
 from powerinfer.runtime.engine import Engine
-from powerinfer.sparsity.files import atomic_directory
+from powerinfer.outputs import OwnedNames, atomic_directory
+from powerinfer.sparsity.files import load_json, load_torch_file, numbered_files
 
 MIN_CALIBRATION_TOKENS = 1024
 HISTOGRAM_BINS = 4096
 LOG2_RANGE = (-40.0, 24.0)  # |activation| from 1e-12 to 1.6e7
 ERROR_SAMPLE_ROWS = 1024  # token rows per layer kept to measure output error
 CANDIDATE_SPARSITIES = [i / 40 for i in range(1, 40)]
+ACTIVATION_FILES = OwnedNames(re.compile(r"activation_\d+\.pt|profile\.json"), "activation_*.pt, profile.json")
 
 
 @dataclass
@@ -45,9 +48,10 @@ class ActivationProfile:
         """Per layer, the mean fraction of neurons that did not fire per token."""
         return [1.0 - float(c.sum()) / (self.tokens * len(c)) for c in self.counts]
 
-    def save(self, directory: str | Path) -> None:
-        """Write DIR/activation/ (replacing it as a whole, only once everything is written)."""
-        with atomic_directory(Path(directory) / "activation") as staging:
+    def save(self, directory: str | Path, replace: bool = True) -> None:
+        """Write DIR/activation/ once everything is written (into a non-empty activation/ only
+        when `replace`, and then touching only our files in it)."""
+        with atomic_directory(Path(directory) / "activation", ACTIVATION_FILES, replace) as staging:
             for i, counts in enumerate(self.counts):
                 torch.save(counts.to(torch.int64), staging / f"activation_{i}.pt")
             meta = {k: v for k, v in asdict(self).items() if k != "counts"}
@@ -59,12 +63,13 @@ class ActivationProfile:
         """Read a profile directory (ours, or PowerInfer's activation/ without profile.json)."""
         directory = Path(directory)
         folder = directory / "activation" if (directory / "activation").is_dir() else directory
-        files = sorted(folder.glob("activation_*.pt"), key=lambda p: int(p.stem.split("_")[-1]))
-        if not files:
-            raise PowerInferError(f"{directory}: no activation_*.pt files")
-        counts = [torch.load(f, map_location="cpu", weights_only=True).flatten() for f in files]
-        meta_path = folder / "profile.json"
-        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        counts = []
+        for path in numbered_files(folder, "activation"):
+            loaded = load_torch_file(path)
+            if not isinstance(loaded, torch.Tensor) or loaded.is_complex() or not loaded.numel():
+                raise PowerInferError(f"{path}: not a tensor of firing counts")
+            counts.append(loaded.flatten())
+        meta = load_json(folder / "profile.json")
         return cls(meta.get("activation", "relu"), int(meta.get("tokens", 0)) or int(max(c.max() for c in counts)),
                    list(meta.get("thresholds", [0.0] * len(counts))), counts,
                    meta.get("target_sparsity"), meta.get("target_error"))

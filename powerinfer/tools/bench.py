@@ -1,25 +1,51 @@
-"""llama-bench style speed tests: prompt processing (ppN) and token generation (tgN)."""
+"""llama-bench style speed tests: prompt processing (ppN) and token generation (tgN).
+
+Results print as llama-bench prints them: a markdown table, or CSV/JSON/JSONL records with
+llama-bench's field names (n_prompt, n_gen, avg_ns, avg_ts, stddev_ts, samples_ts, ...), so that
+scripts written for llama-bench's output read ours.
+"""
 
 from __future__ import annotations
 
+import csv
+import io
+import json
+import platform
 import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 import torch
 
+from powerinfer import __version__
 from powerinfer.llm import LLM
 
 
 @dataclass(frozen=True)
+class BenchTest:
+    n_prompt: int
+    n_gen: int
+
+    @property
+    def name(self) -> str:
+        return f"pp{self.n_prompt}" if self.n_prompt else f"tg{self.n_gen}"
+
+    @property
+    def tokens(self) -> int:
+        return self.n_prompt + self.n_gen
+
+
+@dataclass(frozen=True)
 class BenchResult:
-    test: str  # "pp512", "tg128"
-    tokens: int
+    test: BenchTest
     seconds: list[float]  # one per repetition
+    started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
     @property
     def rates(self) -> list[float]:
-        return [self.tokens / s for s in self.seconds]
+        return [self.test.tokens / s for s in self.seconds]
 
     @property
     def mean(self) -> float:
@@ -29,9 +55,10 @@ class BenchResult:
     def std(self) -> float:
         return statistics.stdev(self.rates) if len(self.rates) > 1 else 0.0
 
-    @property
-    def median(self) -> float:
-        return statistics.median(self.rates)
+
+def bench_tests(n_prompt: list[int], n_gen: list[int]) -> list[BenchTest]:
+    """llama-bench's order: the pp tests, then the tg tests; a length of 0 is no test."""
+    return [BenchTest(p, 0) for p in n_prompt if p] + [BenchTest(0, n) for n in n_gen if n]
 
 
 def _random_tokens(llm: LLM, n: int, seed: int) -> list[int]:
@@ -39,43 +66,140 @@ def _random_tokens(llm: LLM, n: int, seed: int) -> list[int]:
     return torch.randint(0, llm.config.n_vocab, (n,), generator=generator).tolist()
 
 
-def bench_prompt(llm: LLM, n_prompt: int, repetitions: int) -> BenchResult:
-    """Time evaluating `n_prompt` tokens from an empty cache (after one warm-up run)."""
+def _time_prompt(llm: LLM, n_prompt: int) -> Callable[[], None]:
+    """Evaluating `n_prompt` tokens from an empty cache."""
     ids = _random_tokens(llm, n_prompt, seed=0)
-    seconds = []
-    for rep in range(repetitions + 1):
+
+    def run() -> None:
         llm.engine.release(0)
-        started = time.perf_counter()
         llm.engine.prefill(0, ids)
-        if rep:
-            seconds.append(time.perf_counter() - started)
-    return BenchResult(f"pp{n_prompt}", n_prompt, seconds)
+
+    return run
 
 
-def bench_generation(llm: LLM, n_gen: int, repetitions: int) -> BenchResult:
-    """Time `n_gen` single-token decode steps from an empty cache, as llama-bench's tgN does."""
+def _time_generation(llm: LLM, n_gen: int) -> Callable[[], None]:
+    """`n_gen` single-token decode steps from an empty cache, as llama-bench's tgN does."""
     token = _random_tokens(llm, 1, seed=1)[0]
-    seconds = []
-    for rep in range(repetitions + 1):
+
+    def run() -> None:
         llm.engine.release(0)
-        started = time.perf_counter()
         for _ in range(n_gen):
             llm.engine.decode([(0, token)])
+
+    return run
+
+
+def run_test(llm: LLM, test: BenchTest, repetitions: int, after_each: Callable[[], None] = lambda: None) -> BenchResult:
+    """Time `test` `repetitions` times after one untimed warm-up run; `after_each` follows every run."""
+    step = _time_prompt(llm, test.n_prompt) if test.n_prompt else _time_generation(llm, test.n_gen)
+    started = datetime.now(timezone.utc)
+    seconds = []
+    for rep in range(repetitions + 1):
+        begin = time.perf_counter()
+        step()
         if rep:
-            seconds.append(time.perf_counter() - started)
-    return BenchResult(f"tg{n_gen}", n_gen, seconds)
+            seconds.append(time.perf_counter() - begin)
+        after_each()
+    return BenchResult(test, seconds, started)
 
 
-def markdown_table(llm: LLM, results: list[BenchResult], threads: int, backend: str = "CPU (torch)") -> str:
-    size_mib = llm.file_size / 2**20
-    bytes_per_token = llm.model.weight_bytes_per_token
-    rows = [
-        "| model | size | params | backend | threads | test | t/s | GB/s |",
-        "| --- | ---: | ---: | --- | ---: | --- | ---: | ---: |",
-    ]
-    for r in results:
+@dataclass(frozen=True)
+class BenchSetup:
+    """What llama-bench reports about the model and the machine beside each result."""
+
+    model_filename: str
+    model_type: str  # llama-bench: "<arch> <size> <type>"
+    model_size: int  # bytes
+    model_n_params: int
+    n_threads: int
+    n_gpu_layers: int
+    weight_bytes_per_token: int
+
+    @classmethod
+    def of(cls, llm: LLM, n_gpu_layers: int) -> BenchSetup:
+        return cls(str(llm.path), f"{llm.config.name} {llm.quant_label}", llm.file_size, llm.n_params,
+                   torch.get_num_threads(), n_gpu_layers, llm.model.weight_bytes_per_token)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def record(setup: BenchSetup, result: BenchResult) -> dict:
+    """One llama-bench JSON record (its field names; the fields that describe llama.cpp's own
+    backends and options are left out)."""
+    samples_ns = [round(s * 1e9) for s in result.seconds]
+    return {
+        "build_commit": __version__,
+        "cpu_info": _cpu_name(),
+        "gpu_info": torch.cuda.get_device_name() if torch.cuda.is_available() else "",
+        "backends": "CPU",
+        "model_filename": setup.model_filename,
+        "model_type": setup.model_type,
+        "model_size": setup.model_size,
+        "model_n_params": setup.model_n_params,
+        "n_threads": setup.n_threads,
+        "n_gpu_layers": setup.n_gpu_layers,
+        "n_prompt": result.test.n_prompt,
+        "n_gen": result.test.n_gen,
+        "n_depth": 0,
+        "test_time": result.started.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "avg_ns": round(statistics.fmean(samples_ns)),
+        "stddev_ns": round(statistics.stdev(samples_ns)) if len(samples_ns) > 1 else 0,
+        "avg_ts": result.mean,
+        "stddev_ts": result.std,
+        "samples_ns": samples_ns,
+        "samples_ts": result.rates,
+    }
+
+
+class Report:
+    """Prints results in one of llama-bench's formats as they come (JSON as one array at the end)."""
+
+    FORMATS = ("md", "csv", "json", "jsonl")
+    SAMPLE_FIELDS = ("samples_ns", "samples_ts")  # JSON only, as in llama-bench's CSV
+
+    def __init__(self, fmt: str, setup: BenchSetup, write: Callable[[str], None], backend: str = "CPU (torch)"):
+        self.format, self.setup, self.write, self.backend = fmt, setup, write, backend
+        self.records: list[dict] = []
+
+    def add(self, result: BenchResult) -> None:
+        rec = record(self.setup, result)
+        first = not self.records
+        self.records.append(rec)
+        if self.format == "md":
+            if first:
+                self.write("| model | size | params | backend | threads | test | t/s | GB/s |\n"
+                           "| --- | ---: | ---: | --- | ---: | --- | ---: | ---: |\n")
+            self.write(self._markdown_row(result) + "\n")
+        elif self.format == "jsonl":
+            self.write(json.dumps(rec) + "\n")
+        elif self.format == "csv":
+            self.write(self._csv(rec, header=first))
+
+    def finish(self) -> None:
+        if self.format == "json":
+            self.write(json.dumps(self.records, indent=2) + "\n")
+
+    def _markdown_row(self, r: BenchResult) -> str:
+        s = self.setup
         # Weights are read once per forward pass: per token when generating, per batch for prompts.
-        gbps = f"{r.mean * bytes_per_token / 1e9:.1f}" if r.test.startswith("tg") else ""
-        rows.append(f"| {llm.config.name} {llm.quant_label} | {size_mib:.2f} MiB | {llm.n_params / 1e6:.2f} M | {backend} "
-                    f"| {threads} | {r.test} | {r.mean:.2f} ± {r.std:.2f} | {gbps} |")
-    return "\n".join(rows)
+        gbps = f"{r.mean * s.weight_bytes_per_token / 1e9:.1f}" if r.test.n_gen else ""
+        return (f"| {s.model_type} | {s.model_size / 2**20:.2f} MiB | {s.model_n_params / 1e6:.2f} M | {self.backend} "
+                f"| {s.n_threads} | {r.test.name} | {r.mean:.2f} ± {r.std:.2f} | {gbps} |")
+
+    def _csv(self, rec: dict, header: bool) -> str:
+        fields = [k for k in rec if k not in self.SAMPLE_FIELDS]
+        out = io.StringIO()
+        writer = csv.writer(out, quoting=csv.QUOTE_ALL, lineterminator="\n")
+        if header:
+            out.write(",".join(fields) + "\n")
+        writer.writerow([rec[k] for k in fields])
+        return out.getvalue()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
+from powerinfer.errors import PowerInferError
+from powerinfer.outputs import atomic_file
 from powerinfer.sparsity.profiler import ActivationProfile
 
 
@@ -19,13 +22,36 @@ def coverage_share(counts: torch.Tensor, share: float = 0.8) -> float:
     return needed / len(ordered)
 
 
-def plot_profile(profile: ActivationProfile, output: str | Path, title: str = "") -> list[float]:
-    """Draw sorted firing frequency per layer (log scale) and the share of neurons covering 80 % of
-    firings; returns those shares."""
-    import matplotlib
-
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise PowerInferError("plotting needs matplotlib: pip install 'powerinfer[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def image_format(output: str | os.PathLike[str]) -> str:
+    """The image format an output name asks for (its extension), if matplotlib can write it."""
+    _pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    supported = FigureCanvasBase.get_supported_filetypes()
+    extension = Path(output).suffix.lower().lstrip(".")
+    if extension not in supported:
+        raise PowerInferError(f"{output}: unknown image type {Path(output).suffix or '(no extension)'!r} "
+                              f"(supported: {', '.join(sorted(supported))})")
+    return extension
+
+
+def plot_profile(profile: ActivationProfile, output: str | Path, title: str = "", replace: bool = True) -> list[float]:
+    """Draw sorted firing frequency per layer (log scale) and the share of neurons covering 80 % of
+    firings into the image `output` (atomically; over an existing file only when `replace`);
+    returns those shares."""
+    image_type = image_format(output)
+    plt = _pyplot()
 
     shares = [coverage_share(c) for c in profile.counts]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
@@ -45,6 +71,7 @@ def plot_profile(profile: ActivationProfile, output: str | Path, title: str = ""
     right.set_title(f"mean {100 * sum(shares) / len(shares):.0f} % (PowerInfer reports 26 % for OPT-30B)")
     fig.suptitle(title or f"{profile.activation} activations, {profile.tokens} tokens")
     fig.tight_layout()
-    fig.savefig(output, dpi=110)
+    with atomic_file(output, replace) as tmp:
+        fig.savefig(tmp, dpi=110, format=image_type)
     plt.close(fig)
     return shares

@@ -1,0 +1,72 @@
+"""From a validated OpenAI request to the sequences to generate: the prompt (chat template with
+tools), sampling, stops, logprobs, the grammar of json answers or tool calls, and `n` choices.
+
+Runs in a worker thread on the server (tokenizing and template rendering take time on big inputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from powerinfer.api.schemas import ChatRequest, CompletionRequest, OpenAIRequest
+from powerinfer.api.tools import ToolFormat, template_messages, tool_format, tool_grammar
+from powerinfer.errors import PowerInferError
+from powerinfer.runtime.constraint import Constraint, json_schema_grammar
+from powerinfer.runtime.sequence import GenerationSequence
+
+if TYPE_CHECKING:
+    from powerinfer.llm import LLM
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for text completions (chat runs to the end of the turn)
+
+
+@dataclass
+class Prepared:
+    """The sequences of one request (one per choice) and how to present their output."""
+
+    sequences: list[GenerationSequence]
+    logprobs: bool
+    tools: ToolFormat | None = None
+
+
+def _grammar(llm: LLM, request: OpenAIRequest, tools: ToolFormat | None) -> Constraint | None:
+    if tools is not None:
+        grammar = tool_grammar(request, tools)  # type: ignore[arg-type] - only chat requests have tools
+    elif request.response_format is None or request.response_format.type == "text":
+        return None
+    elif request.response_format.type == "json_object":
+        grammar = json_schema_grammar({"type": "object"})
+    else:
+        grammar = json_schema_grammar(request.response_format.json_schema.schema_)
+    return Constraint(llm.tokenizer, llm.config.n_vocab, grammar)
+
+
+def _sequences(llm: LLM, request: OpenAIRequest, prompt: str | list[int], max_tokens: int, logprobs: int | None,
+               tools: ToolFormat | None = None) -> list[GenerationSequence]:
+    sampling = request.sampling()
+    bad = [t for t in sampling["logit_bias"] if t >= llm.config.n_vocab]
+    if bad:
+        raise PowerInferError(f"logit_bias: token id {bad[0]} is out of range (vocabulary of {llm.config.n_vocab})")
+    first = llm.new_sequence(prompt, max_tokens, request.stops(), logprobs=logprobs,
+                             constraint=_grammar(llm, request, tools), **sampling)
+    seed = sampling["seed"]
+    # Choice i samples with seed + i: reproducible, and different from the other choices.
+    return [first, *(first.fork(None if seed is None else (seed + i) % 2**64) for i in range(1, request.choices))]
+
+
+def prepare_completion(llm: LLM, request: CompletionRequest) -> Prepared:
+    max_tokens = COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
+    return Prepared(_sequences(llm, request, request.single_prompt(), max_tokens, request.logprobs),
+                    logprobs=request.logprobs is not None)
+
+
+def prepare_chat(llm: LLM, request: ChatRequest) -> Prepared:
+    template = llm.tokenizer.chat_template
+    messages, tools = template_messages(request, template)
+    calls = tool_format(request, template)
+    limit = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    top = (request.top_logprobs or 0) if request.logprobs else None
+    ids = llm.chat_prompt(messages, tools=tools)
+    return Prepared(_sequences(llm, request, ids, llm.n_ctx if limit is None else limit, top, calls),
+                    logprobs=request.logprobs, tools=calls)

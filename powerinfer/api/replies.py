@@ -1,0 +1,151 @@
+"""Answers in OpenAI's shapes (text completions and chat completions, whole or as stream chunks),
+built once for the HTTP server and the Python API (`LLM.create_completion` and friends)."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Any, Literal
+
+import numpy as np
+
+from powerinfer.api.prepare import Prepared
+from powerinfer.runtime.scheduler import Event
+from powerinfer.runtime.sequence import Completion, TokenLogprob
+from powerinfer.runtime.token_bytes import token_bytes
+from powerinfer.tokenizer import Tokenizer
+
+MIN_LOGPROB = -9999.0  # what OpenAI reports for a token of probability (almost) 0
+
+
+def usage(completions: list[Completion]) -> dict:
+    """Token counts of a request: its prompt once, the generated tokens of every choice."""
+    prompt = completions[0].prompt_tokens if completions else 0
+    generated = sum(len(c.tokens) for c in completions)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+
+
+class OpenAIReply:
+    """One request's answer: `whole(completions)`, or `opening()`, `chunks(event)` per event and
+    `usage_chunk()` for a stream."""
+
+    def __init__(self, model: str, tokenizer: Tokenizer, prepared: Prepared, chat: bool):
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+        self.model, self.tokenizer, self.chat = model, tokenizer, chat
+        self.logprobs, self.tools = prepared.logprobs, prepared.tools
+        self.n = len(prepared.sequences)
+        self.created = int(time.time())
+        self.text_offsets = [0] * self.n  # where the next token's text starts, per choice (completions)
+        self.held = [""] * self.n  # text held back until a tool call can be told from an answer
+        self.finished: dict[int, Completion] = {}
+
+    # -- whole answers ---------------------------------------------------------------------------
+
+    def whole(self, completions: list[Completion]) -> dict:
+        choices = [self._whole_choice(i, c) for i, c in enumerate(completions)]
+        return {**self._envelope(self.object, choices), "usage": usage(completions)}
+
+    def _whole_choice(self, index: int, completion: Completion) -> dict:
+        logprobs = self._logprobs(index, completion.logprobs or []) if self.logprobs else None
+        if not self.chat:
+            return {"index": index, "text": completion.text, "logprobs": logprobs,
+                    "finish_reason": completion.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+        finish = completion.finish_reason
+        call = self.tools.parse(completion.text) if self.tools is not None else None
+        if call is not None:
+            message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+    # -- streams ---------------------------------------------------------------------------------
+
+    def opening(self) -> list[dict]:
+        """Chat streams start with the assistant's role, once per choice."""
+        if not self.chat:
+            return []
+        return [self._envelope(self.chunk_object, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}])
+                for i in range(self.n)]
+
+    def chunks(self, event: Event) -> list[dict]:
+        """The chunks for one event of the scheduler (an error event is the caller's to report)."""
+        i, text = event.index, event.text
+        logprobs = self._logprobs(i, event.logprobs) if self.logprobs and event.logprobs else None
+        out = []
+        if self.tools is not None:  # a call is only known once complete: its text comes at the end
+            self.held[i] += text
+            text = ""
+        if text or logprobs:
+            out.append(self._chunk(i, {"content": text} if self.chat else text, logprobs, None))
+        if event.completion is not None:
+            self.finished[i] = event.completion
+            out += self._closing(i, event.completion)
+        return out
+
+    def _closing(self, index: int, completion: Completion) -> list[dict]:
+        finish, out = completion.finish_reason, []
+        if self.tools is not None:
+            call = self.tools.parse(self.held[index])
+            if call is not None:
+                delta, finish = {"tool_calls": [{"index": 0, **call}]}, "tool_calls"
+            else:
+                delta = {"content": self.held[index]}
+            out.append(self._chunk(index, delta, None, None))
+        out.append(self._chunk(index, {} if self.chat else "", None, finish))
+        return out
+
+    def usage_chunk(self) -> dict:
+        return {**self._envelope(self.chunk_object, []), "usage": usage([self.finished[i] for i in sorted(self.finished)])}
+
+    def _chunk(self, index: int, content: dict | str, logprobs: dict | None, finish: str | None) -> dict:
+        field = "delta" if self.chat else "text"
+        return self._envelope(self.chunk_object, [{"index": index, field: content, "logprobs": logprobs,
+                                                   "finish_reason": finish}])
+
+    def _envelope(self, object: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices}
+
+    # -- logprobs --------------------------------------------------------------------------------
+
+    def _token(self, token: int) -> tuple[str, bytes]:
+        """A token's text and bytes; a token holding part of a character is written as its bytes,
+        "bytes:\\xe6\\x97", as OpenAI does."""
+        raw = token_bytes(self.tokenizer)[token]
+        try:
+            return raw.decode("utf-8"), raw
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+    def _logprobs(self, index: int, entries: list[TokenLogprob]) -> dict:
+        if self.chat:
+            return {"content": [self._chat_logprob(e) for e in entries], "refusal": None}
+        tokens, offsets = [], []
+        for entry in entries:
+            text, raw = self._token(entry.token)
+            tokens.append(text)
+            offsets.append(self.text_offsets[index])
+            self.text_offsets[index] += len(raw.decode("utf-8", errors="ignore"))
+        return {"tokens": tokens, "token_logprobs": [max(e.logprob, MIN_LOGPROB) for e in entries],
+                "top_logprobs": [{self._token(t)[0]: max(lp, MIN_LOGPROB) for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
+
+    def _chat_logprob(self, entry: TokenLogprob) -> dict:
+        def one(token: int, logprob: float) -> dict:
+            text, raw = self._token(token)
+            return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(raw)}
+
+        return {**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
+
+
+def embedding_list(vectors: list[list[float]], n_tokens: int, model: str,
+                   encoding: Literal["float", "base64"] = "float") -> dict:
+    """OpenAI's embeddings answer; base64 is the float32 little-endian bytes, as OpenAI sends them."""
+    def encode(vector: list[float]) -> list[float] | str:
+        return vector if encoding == "float" else base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode()
+
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}

@@ -1,0 +1,71 @@
+"""What several commands share: finding and loading the model, reading text files."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from powerinfer.errors import PowerInferError
+from powerinfer.hub import hf_model_path, resolve_model
+
+
+def model_path(args: argparse.Namespace) -> Path:
+    """The model file that -m, or -hf with --hf-file, names (fetching the default model if needed)."""
+    if getattr(args, "hf_repo", None):
+        return hf_model_path(args.hf_repo, args.hf_file)
+    return resolve_model(args.model, getattr(args, "hf_file", None))
+
+
+def load_llm(args: argparse.Namespace):
+    from powerinfer.llm import LLM
+
+    return LLM(model_path(args), threads=args.threads, n_ctx=getattr(args, "ctx_size", None), dtype=args.dtype,
+               sparsity=getattr(args, "sparsity", "off"), **hybrid_arguments(args))
+
+
+def hybrid_arguments(args: argparse.Namespace) -> dict:
+    """LLM keywords from the placement flags (--vram-budget family, -ngl; absent on some commands) and
+    the KV slots a server runs (--parallel), which the placement budgets for."""
+    gpu_index = "reset" if getattr(args, "reset_gpu_index", False) else \
+        "disable" if getattr(args, "disable_gpu_index", False) else "reuse"
+    return dict(vram_budget=getattr(args, "vram_budget", None), n_gpu_layers=getattr(args, "n_gpu_layers", None) or None,
+                gpu_index=gpu_index, activations=getattr(args, "activations", None),
+                accelerator=getattr(args, "accelerator", None), parallel=getattr(args, "parallel", 1))
+
+
+def max_tokens(n_predict: int, llm) -> int:
+    return llm.n_ctx if n_predict < 0 else n_predict
+
+
+def read_text(path: str) -> str:
+    """A text file's contents, or one line saying why it cannot be read."""
+    try:
+        return Path(path).read_text()
+    except IsADirectoryError:
+        raise PowerInferError(f"{path} is a directory, not a text file") from None
+    except UnicodeDecodeError:
+        raise PowerInferError(f"{path} is not UTF-8 text") from None
+    except OSError as error:
+        raise PowerInferError(f"cannot read {path}: {error.strerror or error}") from None
+
+
+def read_prompt(args: argparse.Namespace) -> str | None:
+    """The text of -p, or of the -f file; None when neither is given."""
+    return args.prompt if args.file is None else read_text(args.file)
+
+
+# SmolLM2 at 50 % oracle sparsity loses 2.6 % perplexity (docs/sparsity.md): a safe place to start.
+DEFAULT_TARGET_SPARSITY = 0.5
+
+
+def calibration_target(args: argparse.Namespace, llm) -> None:
+    """SiLU/GELU neurons are never exactly zero, so "fired" needs a threshold: without
+    --target-sparsity or --target-error, the one half of each layer's neurons stays under."""
+    activation = llm.config.activation
+    if args.target_sparsity is None and args.target_error is None and not activation.is_relu_family:
+        args.target_sparsity = DEFAULT_TARGET_SPARSITY
+        print(f"powerinfer: a {activation.value} model: a neuron fires above the threshold that "
+              f"{DEFAULT_TARGET_SPARSITY:.0%} of its layer's activations stay under "
+              f"(--target-sparsity {DEFAULT_TARGET_SPARSITY}; --target-sparsity or --target-error to choose)",
+              file=sys.stderr)

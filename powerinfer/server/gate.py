@@ -1,0 +1,131 @@
+"""What every request passes before a route sees it: the Host allow-list (DNS rebinding), API keys,
+a JSON content type on POST (a cross-site form or text/plain POST cannot reach us) and a body-size
+limit enforced while the body is read, chunked bodies included.
+
+Written as plain ASGI middleware because it must answer before the body is read (413 on a
+Content-Length over the limit) and stop reading as soon as the limit is passed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Collection
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from powerinfer.server.errors import error_body
+
+DEFAULT_MAX_BODY_SIZE = 8 * 1024 * 1024
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balancers probe it)
+
+
+def host_name(header: str) -> str:
+    """The name in a Host header, without port or IPv6 brackets, lower-cased."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def default_allowed_hosts(bind: str) -> frozenset[str] | None:
+    """Loopback names when listening on a loopback address; None (any Host) otherwise."""
+    name = host_name(bind) if bind.startswith("[") else bind.lower()
+    if name in LOOPBACK_HOSTS or name.startswith("127."):
+        return LOOPBACK_HOSTS | {name}
+    return None
+
+
+class RequestGate:
+    """ASGI middleware; see the module docstring. `allowed_hosts` None accepts any Host header."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: Collection[str] | None = None, api_keys: Collection[str] = (),
+                 max_body_size: int = DEFAULT_MAX_BODY_SIZE):
+        self.app = app
+        self.allowed_hosts = None if allowed_hosts is None else frozenset(h.lower() for h in allowed_hosts)
+        self.api_keys = [k.encode() for k in api_keys]
+        self.max_body_size = max_body_size
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            await _answer(send, *refusal)
+            return
+        if scope["method"] == "POST":
+            body = await self._read_body(headers, receive)
+            if body is None:
+                await _answer(send, 413, f"the request body is larger than {self.max_body_size} bytes "
+                                         "(the server's --max-body-size)", "invalid_request_error")
+                return
+            try:
+                body.decode("utf-8")
+            except UnicodeDecodeError as error:
+                await _answer(send, 400, f"the request body is not valid UTF-8 ({error.reason} at byte {error.start})",
+                              "invalid_request_error")
+                return
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope, headers: dict[str, str]) -> tuple[int, str, str] | None:
+        if self.allowed_hosts is not None:
+            host = headers.get("host")
+            if not host:
+                return 400, "the request has no Host header", "invalid_request_error"
+            if host_name(host) not in self.allowed_hosts:
+                return 403, f"host {host_name(host)!r} is not allowed (the server's --allowed-hosts)", "permission_error"
+        if self.api_keys and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
+            return 401, "invalid or missing API key (send 'Authorization: Bearer KEY')", "authentication_error"
+        if scope["method"] == "POST":
+            media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if media_type != "application/json":
+                return 415, "request bodies must be JSON, sent with 'Content-Type: application/json'", \
+                    "invalid_request_error"
+        return None
+
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        given = token.strip().encode("latin-1") if scheme.lower() == "bearer" else b""
+        # Every key is compared, in constant time each, so timing tells nothing about which matched.
+        return sum(hmac.compare_digest(given, key) for key in self.api_keys) > 0
+
+    async def _read_body(self, headers: dict[str, str], receive: Receive) -> bytes | None:
+        """The whole body, or None as soon as it passes the limit (declared or as it arrives)."""
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_size:
+            return None
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: the route sees an empty body
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_size:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive() that gives the body read already, then what the client sends next (a disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
+async def _answer(send: Send, status: int, message: str, type: str) -> None:
+    content = json.dumps(error_body(message, type)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()),
+                            *([(b"www-authenticate", b"Bearer")] if status == 401 else [])]})
+    await send({"type": "http.response.body", "body": content})

@@ -1,0 +1,104 @@
+"""llama.cpp's flags as its users type them, and flag values checked before any model loads."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+
+import pytest
+
+from powerinfer.cli import MULTI_LETTER_FLAG, build_parser, main
+
+MODEL_COMMANDS = ["run", "chat", "bench", "serve", "perplexity", "profile", "train-predictors"]
+# llama.cpp's several-letter single-dash flags that we accept, per command, with a value and the
+# attribute it must land in: never a shorter flag with the rest glued on as its value.
+LLAMA_CPP_FLAGS = {
+    **{command: [("-ngl", "99", "n_gpu_layers", 99), ("-hf", "org/name:Q4_K_M", "hf_repo", "org/name:Q4_K_M"),
+                 ("-hfr", "org/name", "hf_repo", "org/name"), ("-hff", "f.gguf", "hf_file", "f.gguf")]
+       for command in MODEL_COMMANDS},
+    **{command: [("-hf", "org/name", "hf_repo", "org/name"), ("-hfr", "org/name", "hf_repo", "org/name"),
+                 ("-hff", "f.gguf", "hf_file", "f.gguf")] for command in ("place", "pull")},
+}
+LLAMA_CPP_FLAGS["run"] += [("-cnv", None, "conversation", True), ("-no-cnv", None, "conversation", False),
+                           ("-sys", "be brief", "system", "be brief")]
+LLAMA_CPP_FLAGS["chat"] += [("-sys", "be brief", "system", "be brief"), ("-cnv", None, "conversation", True)]
+LLAMA_CPP_FLAGS["serve"] += [("-np", "2", "parallel", 2)]
+REQUIRED = {"perplexity": ["-f", "t.txt"], "profile": ["-f", "t.txt", "-o", "out"],
+            "train-predictors": ["-f", "t.txt", "-o", "out"], "place": ["--vram-budget", "1"]}
+
+
+def command_parsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize("command, flag, value, dest, expected",
+                         [(c, *f) for c, flags in LLAMA_CPP_FLAGS.items() for f in flags])
+def test_llama_cpp_flags_are_read_whole(command, flag, value, dest, expected):
+    model = [] if flag in ("-hf", "-hfr") or command == "pull" else ["-m" if command == "place" else "-t", "1"]
+    args = parse(command, *model, *REQUIRED.get(command, []), flag, *([value] if value is not None else []))
+    assert getattr(args, dest) == expected
+
+
+def test_every_multi_letter_flag_we_define_is_listed():
+    """A new single-dash flag of several letters must join the list above (and so the test)."""
+    listed = {(command, flag) for command, flags in LLAMA_CPP_FLAGS.items() for flag, *_ in flags}
+    defined = {(command, option) for command, sub in command_parsers().items()
+               for option in sub._option_string_actions if MULTI_LETTER_FLAG.fullmatch(option)}
+    assert defined == listed
+
+
+@pytest.mark.parametrize("argv, glued", [
+    (["run", "-p", "x", "-fa"], "-fa"),  # llama.cpp's flash attention: not -f a
+    (["run", "-p", "x", "-ctk", "q8_0"], "-ctk"),  # not -c tk
+    (["bench", "-ngld", "3"], "-ngld"),
+    (["-hf", "org/name"], "-hf"),  # before the command: not -h f
+])
+def test_unknown_multi_letter_flags_are_refused_whole(argv, glued, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse(*argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and f"unknown flag {glued} " in err[0]
+
+
+def test_glued_numbers_still_work():
+    args = parse("run", "-p", "x", "-n128", "-t2")
+    assert (args.n_predict, args.threads) == (128, 2)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse("--version")
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"powerinfer {importlib.metadata.version('powerinfer')}"
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--temp", "-1"), ("--temp", "nan"), ("--top-k", "-1"), ("--top-p", "0"), ("--top-p", "1.5"), ("--min-p", "2"),
+    ("--repeat-penalty", "0"), ("--repeat-last-n", "-1"), ("-n", "-2"), ("-c", "0"), ("-t", "0"), ("-s", "-2"),
+    ("-ngl", "-1"),
+])
+def test_bad_values_stop_before_the_model_loads(flag, value, tmp_path, capsys):
+    """The model path does not exist: only a parse-time check can answer first."""
+    missing = str(tmp_path / "missing.gguf")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "-m", missing, "-p", "x", flag, value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert f"argument {flag}" in err[0] and "missing.gguf" not in err[0]
+
+
+def test_good_edge_values_parse():
+    args = parse("run", "-p", "x", "--temp", "0", "--top-p", "1", "--min-p", "0", "-n", "-1", "-s", "-1", "-ngl", "0")
+    assert (args.temp, args.top_p, args.min_p, args.n_predict, args.seed, args.n_gpu_layers) == (0, 1, 0, -1, -1, 0)
+
+
+def test_run_needs_a_prompt_unless_it_converses(capsys):
+    assert main(["run", "-m", "/nonexistent.gguf"]) == 2
+    assert "-p/--prompt or -f/--file is required" in capsys.readouterr().err
+    assert main(["run", "-m", "/nonexistent.gguf", "-p", "x", "-sys", "brief"]) == 2
+    assert "add -cnv" in capsys.readouterr().err
