@@ -142,7 +142,7 @@ def add_ray_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--target-ongoing-requests", type=positive_float, metavar="T",
                        help="autoscaling: requests per replica to aim for (default: --parallel)")
     group.add_argument("--address", metavar="ADDR", help="join this Ray cluster (e.g. 10.0.0.1:6379, or 'auto'); "
-                                                         "default: start a local one bound to 127.0.0.1")
+                                                         "default: start a local one on 127.0.0.1")
     group.add_argument("--num-cpus", type=positive_float, metavar="C",
                        help="CPUs Ray reserves per replica; also its threads unless -t is given (default: 1)")
     group.add_argument("--num-gpus", type=non_negative_float, metavar="G",

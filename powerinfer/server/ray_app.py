@@ -31,8 +31,9 @@ APP_NAME = "powerinfer"
 DEPLOYMENT_NAME = "powerinfer"
 PROXY_CALLBACK = "powerinfer.server.ray_proxy.proxy_middlewares"
 PROXY_CALLBACK_VARIABLE = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
-# Ray's switch for a single-machine Ray (its default on macOS and Windows): every Ray process binds
-# to 127.0.0.1 instead of all interfaces. Read when ray is first imported.
+# Ray's switch for a single-machine Ray (its default on macOS and Windows): Ray's processes bind to
+# 127.0.0.1 instead of all interfaces (Serve's per-replica gRPC server excepted: docs/scale-out.md).
+# Read when ray is first imported.
 LOCAL_ONLY_VARIABLE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 LOADING_POLL_SECONDS = 0.1
 HEALTH_CHECK_PERIOD_SECONDS = 5.0  # how soon a stalled replica is noticed (a dead one: at its next request)
@@ -51,7 +52,7 @@ def import_ray(address: str | None) -> Any:
 
 
 def connect(address: str | None) -> bool:
-    """Joins the cluster at `address`, or starts a local Ray (127.0.0.1 only, no dashboard).
+    """Joins the cluster at `address`, or starts a local Ray (on 127.0.0.1, no dashboard).
     Returns whether this call started Ray (and so should stop it)."""
     ray = import_ray(address)
     if ray.is_initialized():
