@@ -128,6 +128,27 @@ def add_hybrid_options(parser: argparse.ArgumentParser) -> None:
                         help="torch device to offload to (default: cuda when present; cpu runs the split on the CPU)")
 
 
+RAY_OPTIONS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "address", "num_cpus", "num_gpus")
+
+
+def add_ray_options(parser: argparse.ArgumentParser) -> None:
+    """`serve --ray`: the server's app as a Ray Serve deployment (options named in RAY_OPTIONS)."""
+    group = parser.add_argument_group("Ray Serve", "replicas of this server behind Ray Serve's router "
+                                                   "(needs the 'ray' extra: pip install 'powerinfer[ray]')")
+    group.add_argument("--ray", action="store_true", help="serve through Ray Serve, one loaded model per replica")
+    group.add_argument("--replicas", type=positive_int, metavar="N", help="a fixed number of replicas (default: 1)")
+    group.add_argument("--min-replicas", type=non_negative_int, metavar="A", help="autoscaling: fewest replicas (default: 1)")
+    group.add_argument("--max-replicas", type=positive_int, metavar="B", help="autoscaling: most replicas (default: A)")
+    group.add_argument("--target-ongoing-requests", type=positive_float, metavar="T",
+                       help="autoscaling: requests per replica to aim for (default: --parallel)")
+    group.add_argument("--address", metavar="ADDR", help="join this Ray cluster (e.g. 10.0.0.1:6379, or 'auto'); "
+                                                         "default: start a local one on 127.0.0.1")
+    group.add_argument("--num-cpus", type=positive_float, metavar="C",
+                       help="CPUs Ray reserves per replica; also its threads unless -t is given (default: 1)")
+    group.add_argument("--num-gpus", type=non_negative_float, metavar="G",
+                       help="GPUs per replica; each replica's --vram-budget is on its own GPU (default: 0)")
+
+
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     """llama.cpp's sampling flags, range-checked here so that a bad value stops before the model loads."""
     parser.add_argument("--temp", type=non_negative_float, default=0.8, help="temperature; 0 = greedy (default: 0.8)")
@@ -225,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key-file", metavar="FILE", help="file of API keys, one a line")
     serve.add_argument("--watchdog", type=positive_float, default=120.0, metavar="SECONDS",
                        help="/health answers 503 when queued work has waited this long for a scheduler step (default: 120)")
+    add_ray_options(serve)
     ppl = commands.add_parser("perplexity", help="perplexity of a text file (llama.cpp's method)")
     add_model_options(ppl)
     ppl.add_argument("-f", "--file", required=True, help="text file (e.g. wikitext-2 test.txt)")

@@ -11,7 +11,7 @@ fi
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" --upgrade pip
 "${pip[@]}" torch==2.13.0 "setuptools>=70" "ninja>=1.11"
-"${pip[@]}" --no-build-isolation -e ".[serve,plot,place,test]"
+"${pip[@]}" --no-build-isolation -e ".[serve,plot,place,ray,test]"
 # tmux drives the chat tests (tests/test_chat.py, which skip without it): installed where apt can.
 if ! command -v tmux >/dev/null && command -v apt-get >/dev/null; then
     sudo=$([ "$(id -u)" -eq 0 ] || echo "sudo -n")

@@ -1,11 +1,14 @@
-"""`powerinfer serve`: the HTTP server (OpenAI-compatible and llama.cpp-style routes)."""
+"""`powerinfer serve`: the HTTP server (OpenAI-compatible and llama.cpp-style routes); with --ray, its
+app as a Ray Serve deployment of replicas (powerinfer/server/ray_app.py)."""
 
 from __future__ import annotations
 
 import argparse
 import socket
 import sys
+from pathlib import Path
 
+from powerinfer.cli import RAY_OPTIONS
 from powerinfer.errors import PowerInferError
 
 
@@ -47,21 +50,43 @@ def allowed_hosts(args: argparse.Namespace) -> frozenset[str] | None:
     return None if "*" in names else frozenset(names)
 
 
+def app_options(args: argparse.Namespace) -> dict:
+    """create_app's keywords from the flags, alike for one server and for each Ray replica."""
+    return dict(parallel=args.parallel, allowed_hosts=allowed_hosts(args), api_keys=api_keys(args),
+                max_body_size=args.max_body_size, watchdog_seconds=args.watchdog)
+
+
+def checked_model(args: argparse.Namespace) -> Path:
+    """The model file; a missing, foreign or unsupported one is refused before any server starts."""
+    from powerinfer.commands.common import model_path
+    from powerinfer.gguf.reader import open_gguf
+    from powerinfer.models import read_config
+
+    path = model_path(args)
+    read_config(open_gguf(path))
+    return path
+
+
 def main(args: argparse.Namespace) -> int:
+    stray = [name for name in RAY_OPTIONS if getattr(args, name) is not None]
+    if stray and not args.ray:
+        raise PowerInferError(f"--{stray[0].replace('_', '-')} needs --ray")
+    if args.ray:
+        from powerinfer.server.ray_app import serve_on_ray
+
+        return serve_on_ray(args)
     try:
         import uvicorn
 
         from powerinfer.server.app import create_app
     except ImportError as error:
         raise PowerInferError(f"the server needs the 'serve' extra (pip install 'powerinfer[serve]'): {error}") from None
-    from powerinfer.commands.common import load_llm, model_path
-    from powerinfer.gguf.reader import open_gguf
-    from powerinfer.models import read_config
+    from powerinfer.commands.common import load_llm
 
     # A missing, foreign or unsupported file is refused before the server starts; rarer load
     # failures stop the server once it runs (it answers 503 on /health while loading).
-    keys, hosts = api_keys(args), allowed_hosts(args)
-    read_config(open_gguf(model_path(args)))
+    options = app_options(args)
+    checked_model(args)
     sock = listen(args.host, args.port)
     failures: list[Exception] = []
 
@@ -69,8 +94,7 @@ def main(args: argparse.Namespace) -> int:
         failures.append(error)
         server.should_exit = True
 
-    app = create_app(lambda: load_llm(args), parallel=args.parallel, on_load_error=stop, allowed_hosts=hosts,
-                     api_keys=keys, max_body_size=args.max_body_size, watchdog_seconds=args.watchdog)
+    app = create_app(lambda: load_llm(args), on_load_error=stop, **options)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:

@@ -3,6 +3,7 @@
 `create_app(llm)` serves a loaded `LLM`; `create_app(factory)` loads one in a background thread at
 startup, answering 503 on /health (and on the model routes) until it is ready. Tokenizing and
 template rendering run in worker threads, so a large prompt never holds up other requests.
+`create_app(..., replica=name)` is one of several replicas behind a router (powerinfer/server/ray_app.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from powerinfer.server.errors import APIError, install_handlers
 from powerinfer.server.gate import DEFAULT_MAX_BODY_SIZE, RequestGate
 from powerinfer.server.generation import ClientGone, Generation
 from powerinfer.server.metrics import Metrics
+from powerinfer.server.replica import REPLICA_LABEL, ReplicaHeader, label_series
 from powerinfer.server.replies import llama_final, llama_stream, openai_stream
 
 log = logging.getLogger(__name__)
@@ -106,13 +108,14 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
                on_load_error: Callable[[Exception], None] | None = None, *,
                allowed_hosts: Collection[str] | None = None, api_keys: Collection[str] = (),
                max_body_size: int = DEFAULT_MAX_BODY_SIZE,
-               watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS) -> FastAPI:
+               watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS, replica: str | None = None) -> FastAPI:
     """The server app over `llm` (or a function that loads it), with `parallel` KV-cache slots.
 
     `allowed_hosts`: names the Host header may carry (None: any); `api_keys`: keys a request must
     present as a bearer token (none: no key needed); `max_body_size`: bytes per request body;
     `watchdog_seconds`: /health answers 503 once work has waited this long without the
-    scheduler finishing a step.
+    scheduler finishing a step; `replica`: this app's name among several serving the same model
+    (every answer carries it in an x-powerinfer-replica header, and /metrics labels its series with it).
     """
     if parallel < 1:
         raise PowerInferError("parallel must be >= 1")
@@ -142,6 +145,8 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
     app = FastAPI(title="powerinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     app.add_middleware(RequestGate, allowed_hosts=allowed_hosts, api_keys=api_keys, max_body_size=max_body_size)
+    if replica is not None:  # added last, so outermost: the gate's refusals name the replica too
+        app.add_middleware(ReplicaHeader, name=replica)
     install_handlers(app)
 
     @app.exception_handler(ClientGone)
@@ -156,7 +161,10 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
     @app.get("/metrics")
     async def metrics() -> Response:
         state.ready()
-        return Response(state.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = state.metrics.text().decode()
+        if replica is not None:
+            text = label_series(text, REPLICA_LABEL, replica)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> dict:
