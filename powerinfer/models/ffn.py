@@ -27,6 +27,7 @@ from powerinfer.ops.quant import FLOAT_TYPES, T
 
 SparsityMode = Literal["auto", "off", "oracle"]
 MAX_SPARSE_ROWS = 8  # beyond this many tokens at once (prefill) the FFN runs as masked dense GEMMs
+DENSE_SLICE = 2048  # neurons whose weights those GEMMs expand at a time
 ACTIVATION_THRESHOLDS_KEY = "powerinfer.activation_thresholds"  # ours: calibrated |a| thresholds per FFN unit
 
 
@@ -190,10 +191,12 @@ class SparseFFN(FFN):
     def activations(self, h: torch.Tensor) -> torch.Tensor:
         s = self.store
         if h.shape[0] > MAX_SPARSE_ROWS:
-            up = s.add_up_bias(self._dense(h, self._weights(s.up).T))
-            if s.gate is not None:
-                up = torch.cat([self._dense(h, self._weights(s.gate).T), up], dim=-1)
-            return activate(up, self.activation)
+            gate, up = [], []
+            for neurons in _slices(self.n_ff):
+                up.append(s.add_up_bias(self._dense(h, self._weights(s.up, neurons).T), neurons))
+                if s.gate is not None:
+                    gate.append(self._dense(h, self._weights(s.gate, neurons).T))
+            return activate(torch.cat(gate + up, dim=-1), self.activation)
         gate = None if s.gate is None else gather_matvec(s, s.gate, h, self._all)
         up = s.add_up_bias(gather_matvec(s, s.up, h, self._all))
         return activate(up if gate is None else torch.cat([gate, up], dim=-1), self.activation)
@@ -202,7 +205,10 @@ class SparseFFN(FFN):
         """The FFN output from the activations `a` of neurons `idx` (all when None)."""
         s = self.store
         if a.shape[0] > MAX_SPARSE_ROWS:
-            return s.add_down_bias(self._dense(a, self._weights(s.down, idx)))
+            y = torch.zeros(a.shape[0], s.dim_out)
+            for part in _slices(a.shape[1]):
+                y.add_(self._dense(a[:, part], self._weights(s.down, part if idx is None else idx[part])))
+            return s.add_down_bias(y)
         return s.add_down_bias(accumulate_rows(s, s.down, a, self._all if idx is None else idx))
 
     def fired(self, a: torch.Tensor | None, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -250,6 +256,12 @@ def predicted_ffn(ffn: SparseFFN):
     return ops.PredictedFFN(predictor.fc1.projection, predictor.fc2.projection, predictor.threshold, store.records,
                             [] if store.gate is None else store.gate.as_list(), store.up.as_list(), store.down.as_list(),
                             native.activation(ffn.activation))
+
+
+def _slices(n: int) -> list[slice]:
+    """[0, n) in slices of DENSE_SLICE neurons: many-row products expand weights to floats a slice
+    at a time (a 7B-width layer's store is ~540 MB as float32)."""
+    return [slice(start, min(start + DENSE_SLICE, n)) for start in range(0, n, DENSE_SLICE)]
 
 
 def union(fired: torch.Tensor) -> torch.Tensor:
