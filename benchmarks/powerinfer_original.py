@@ -23,7 +23,9 @@ Bytes read per token: the weights each engine reads for one token, by part. powe
 loaded model (its storage, which is not the file's where it expands a type) and the neurons its
 predictors chose (per layer, averaged over the tokens); PowerInfer's from the file's tensors (ggml
 computes on the file's types), with the same share of neurons: both run the same Q4_0 predictors.
-Norms and the embedding row (< 0.1 MB) are left out.
+Norms and the embedding row (< 0.1 MB) are left out. The FFN row counts whole neuron records (gate,
+up, down); powerinfer reads the up and down rows only of the chosen neurons whose gate is positive
+(about half of them with this file's random weights), so it reads less there than the table says.
 
 Results: benchmarks/results/powerinfer_original.md, one section per `--label` (a re-run with the
 same label replaces its section).
