@@ -16,9 +16,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MixtralConfig, MixtralForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from powerinfer.convert.hf import hf_source
 from powerinfer.errors import UnsupportedModelError
@@ -30,8 +40,8 @@ from powerinfer.models.layers import _softcapped_attention
 from powerinfer.runtime.engine import Engine
 
 from conftest import convert_each
+from helpers import assert_one_line_error, powerinfer
 from llamacpp_gguf import transformers_reading, write_llamacpp_gguf
-from test_cli import assert_one_line_error, powerinfer
 
 VOCAB = 256
 N_CTX = 64

@@ -6,22 +6,11 @@ import pytest
 import torch
 
 from powerinfer.errors import PowerInferError
-from powerinfer.gguf import open_gguf
-from powerinfer.models import load_model
-from powerinfer.models.ffn import DenseFFN, FFNOptions, SparseFFN
-from powerinfer.runtime.engine import Engine
+from powerinfer.models.ffn import DenseFFN, SparseFFN
+
+from helpers import decode_logits, engine
 
 N_CTX = 128
-
-
-def engine(path, **options) -> Engine:
-    return Engine(load_model(open_gguf(path), N_CTX, FFNOptions(**options)), N_CTX)
-
-
-def decode_logits(e: Engine, ids: list[int], prompt: int = 6) -> torch.Tensor:
-    rows = [e.prefill(0, ids[:prompt])]
-    rows += [e.decode([(0, t)])[0] for t in ids[prompt:]]
-    return torch.stack(rows)
 
 
 @pytest.fixture(scope="module")

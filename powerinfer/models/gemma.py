@@ -18,7 +18,14 @@ from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.architecture import Architecture
 from powerinfer.models.base import DecoderLM
 from powerinfer.models.ffn import FFNOptions
-from powerinfer.models.layers import Attention, RMSNorm, RotaryEmbedding, SandwichBlock, attention_options, projection_builder
+from powerinfer.models.layers import (
+    Attention,
+    RMSNorm,
+    RotaryEmbedding,
+    SandwichBlock,
+    attention_options,
+    projection_builder,
+)
 from powerinfer.models.moe import layer_ffn
 from powerinfer.models.tensors import rms_decoder_tensors
 from powerinfer.runtime.kv_cache import SeqSpan

@@ -128,7 +128,7 @@ class RotaryEmbedding:
         """Whether the native decode step can apply it: adjacent pairs over the whole head."""
         return self.interleaved and self.rope_dim == self.head_dim
 
-    def to(self, device: torch.device) -> "RotaryEmbedding":
+    def to(self, device: torch.device) -> RotaryEmbedding:
         """The same rotations on `device` (a copy; self when already there)."""
         if self.rotations.device == device:
             return self
