@@ -98,10 +98,10 @@ def powerinfer_run(main: Path, model: Path, prompt: str, n_gen: int, threads: in
 
 def file_bytes_per_token(model: Path, active: float) -> dict[str, float]:
     """PowerInfer's bytes per token, by part: the file's tensors, FFN neurons at the `active` share."""
-    from powerinfer.gguf.reader import tolerant_reader
+    from powerinfer.gguf.reader import open_gguf
 
     parts: Counter = Counter()
-    for tensor in tolerant_reader(model).tensors:
+    for tensor in open_gguf(model).tensors.values():
         kind = tensor.name.split(".")[-2]
         if kind.startswith("attn_") and kind != "attn_norm":
             parts["attention"] += int(tensor.n_bytes)

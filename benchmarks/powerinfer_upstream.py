@@ -163,12 +163,12 @@ def synthetic_predictors(n_layers: int, rank: int, active: float, seed: int):
 
 def tensor_types(path: Path) -> Counter:
     """How many tensors of each (kind, type) the file holds; kind is the name without its layer."""
-    from powerinfer.gguf.reader import tolerant_reader
+    from powerinfer.gguf.reader import open_gguf
 
     kinds: Counter = Counter()
-    for tensor in tolerant_reader(path).tensors:
+    for tensor in open_gguf(path).tensors.values():
         kind = ".".join(part for part in tensor.name.split(".") if not part.isdigit() and part != "blk")
-        kinds[(kind, tensor.tensor_type.name)] += 1
+        kinds[(kind, tensor.ggml_type.name)] += 1
     return kinds
 
 

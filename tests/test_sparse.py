@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from powerinfer.config import FFNActivation
 from powerinfer.errors import PowerInferError
 from powerinfer.models.ffn import DenseFFN, SparseFFN
 
@@ -67,3 +68,35 @@ def test_prefill_skips_the_same_neurons_as_token_by_token_decode(tiny_llama, ids
     decoded = decode_logits(engine(ggufs["f32"], sparsity="oracle", thresholds=thresholds), ids, prompt=1)
     torch.testing.assert_close(prefilled, decoded, rtol=1e-4, atol=1e-4)
     assert (prefilled - dense.all_logits(ids)).abs().max() > 1e-3  # neurons really were skipped
+
+
+@pytest.mark.parametrize("activation", [FFNActivation.RELU_GATED, FFNActivation.DRELU, FFNActivation.RELU])
+def test_one_token_native_call_equals_the_python_steps(activation):
+    """PowerInfer's quantized predictors (Q4_0): a token's predictor, choice of neurons and sparse FFN
+    run as one native call, with the Python steps' result bit for bit."""
+    from conftest import quantized_rows
+    from gguf import GGMLQuantizationType as T
+
+    from powerinfer.models.ffn import union
+    from powerinfer.models.predictor import Predictor
+    from powerinfer.ops import native
+    from powerinfer.ops.linear import build_linear
+    from powerinfer.ops.neuron import NeuronStore, sparse_ffn, sparse_ffn_reference
+
+    if native.load() is None:
+        pytest.skip("native operators unavailable")
+    d, n_ff, rank = 128, 320, 64
+    gate = quantized_rows(T.Q4_0, n_ff, d, seed=1) if activation.is_gated else None
+    store = NeuronStore(gate, quantized_rows(T.Q4_0, n_ff, d, seed=2), quantized_rows(T.Q4_0, n_ff, d, seed=3))
+    predictor = Predictor(build_linear([quantized_rows(T.Q4_0, rank, d, seed=4)]),
+                          build_linear([quantized_rows(T.Q4_0, n_ff, rank, seed=5)]), threshold=2.0)
+    ffn = SparseFFN(store, activation, "auto", predictor=predictor)
+    assert ffn._predicted is not None  # the native call, not the Python steps it is compared with
+    h, x = torch.randn(2, 1, d, generator=torch.Generator().manual_seed(6))
+    fused = ffn(h, x)
+    fired = predictor.fires(x)
+    idx = union(fired)
+    assert 0 < len(idx) < n_ff and ffn.last_active == len(idx)
+    assert torch.equal(fused, sparse_ffn(store, activation, h, idx, fired[:, idx]))
+    reference = sparse_ffn_reference(store, activation, h, idx)  # plain torch, x rounded as the kernels do
+    torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())

@@ -92,7 +92,10 @@ class DecoderLM(CausalLM):
     def __init__(self, gguf: GGUFFile, config: ModelConfig, options: FFNOptions):
         self.config = config
         self.embedding = Embedding(gguf.tensor("token_embd.weight"))
-        self.blocks: list[DecoderBlock] = [self.build_block(gguf, i, options) for i in layer_progress(config.n_layers)]
+        self.blocks: list[DecoderBlock] = []
+        for i in layer_progress(config.n_layers):
+            self.blocks.append(self.build_block(gguf, i, options))
+            gguf.release_pages()  # the block holds its own copies: the file's pages would double the peak memory
         self.output_norm = self.norm.load(gguf, "output_norm", config.norm_eps)
         tied = "output.weight" not in gguf.tensors
         self.output: Linear = projection_builder(gguf, options.float32)("token_embd.weight" if tied else "output.weight")

@@ -20,7 +20,8 @@ from powerinfer.errors import PowerInferError, UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
 from powerinfer.models.predictor import Predictor, has_predictors, load_predictor
 from powerinfer.ops.activation import activate
-from powerinfer.ops.linear import BiasedLinear, DenseLinear, Linear, build_linear, dequantized, float_vector
+from powerinfer.ops import native
+from powerinfer.ops.linear import BiasedLinear, DenseLinear, Linear, QuantLinear, build_linear, dequantized, float_vector
 from powerinfer.ops.neuron import NeuronStore, accumulate_rows, gather_matvec, sparse_ffn
 from powerinfer.ops.quant import FLOAT_TYPES, T
 
@@ -174,6 +175,7 @@ class SparseFFN(FFN):
         self._all = torch.arange(store.n_ff)
         self.n_ff = store.n_ff
         self.last_active = store.n_ff  # neurons computed in the last call (for statistics)
+        self._predicted = predicted_ffn(self)
 
     @staticmethod
     def _dense(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -221,6 +223,9 @@ class SparseFFN(FFN):
         if self.mode == "off":
             self.last_active = self.store.n_ff
             return self.store.add_down_bias(sparse_ffn(self.store, self.activation, h, self._all))
+        if self._predicted is not None and h.shape[0] == 1:  # one token: the same steps in one native call
+            y, self.last_active = self._predicted(h, h if residual is None else residual)
+            return self.store.add_down_bias(y)
         a = self.activations(h) if self.mode == "oracle" else None
         fired = self.fired(a, h, residual)
         idx = union(fired)  # read once for all rows; each row keeps its own choice
@@ -232,6 +237,19 @@ class SparseFFN(FFN):
     @property
     def nbytes(self) -> int:
         return self.store.nbytes + (self.predictor.nbytes if self.predictor is not None else 0)
+
+
+def predicted_ffn(ffn: SparseFFN):
+    """The native object that runs `ffn`'s single-token call in mode "auto" (predictor, choice of
+    neurons, sparse operator), or None where the Python steps must run: no native build, a predictor
+    off our quantized kernel (float files' bfloat16 predictors), up biases (OPT)."""
+    ops, store, predictor = native.load(), ffn.store, ffn.predictor
+    if ops is None or ffn.mode != "auto" or store.up_bias is not None or \
+            not all(isinstance(fc, QuantLinear) for fc in (predictor.fc1, predictor.fc2)):
+        return None
+    return ops.PredictedFFN(predictor.fc1.projection, predictor.fc2.projection, predictor.threshold, store.records,
+                            [] if store.gate is None else store.gate.as_list(), store.up.as_list(), store.down.as_list(),
+                            native.activation(ffn.activation))
 
 
 def union(fired: torch.Tensor) -> torch.Tensor:

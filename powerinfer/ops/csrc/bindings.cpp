@@ -6,6 +6,7 @@
 
 #include "decode_step.h"
 #include "ops.h"
+#include "predicted_ffn.h"
 #include "projection.h"
 #include "quant_matmul.h"
 
@@ -65,5 +66,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one new token per row: RoPE, store k/v, attend over each row's cache slot", no_gil);
   m.def("gather_matvec", &gather_matvec, "y[m, j] = dot(section of record idx[j], x[m])", no_gil);
   m.def("accumulate_rows", &accumulate_rows, "y[m] = sum_j a[m, j] * section of record idx[j]", no_gil);
+  py::class_<PredictedFFN>(m, "PredictedFFN")
+      .def(py::init<ProjectionPtr, ProjectionPtr, double, torch::Tensor, std::vector<int64_t>, std::vector<int64_t>,
+                    std::vector<int64_t>, Activation>(),
+           "predictor fc1, fc2, score threshold; neuron records, gate, up and down sections; activation")
+      .def("__call__", &PredictedFFN::operator(), "(FFN output, neurons computed) for one token: h, the predictor's input x",
+           no_gil);
   m.def("sparse_ffn", &sparse_ffn, "y[m] = sum_j act(gate_j . x[m], up_j . x[m]) * down_j over records idx", no_gil);
 }
