@@ -74,7 +74,6 @@ def test_prefill_skips_the_same_neurons_as_token_by_token_decode(tiny_llama, ids
 def test_one_token_native_call_equals_the_python_steps(activation):
     """PowerInfer's quantized predictors (Q4_0): a token's predictor, choice of neurons and sparse FFN
     run as one native call, with the Python steps' result bit for bit."""
-    from conftest import quantized_rows
     from gguf import GGMLQuantizationType as T
 
     from powerinfer.models.ffn import union
@@ -82,6 +81,8 @@ def test_one_token_native_call_equals_the_python_steps(activation):
     from powerinfer.ops import native
     from powerinfer.ops.linear import build_linear
     from powerinfer.ops.neuron import NeuronStore, sparse_ffn, sparse_ffn_reference
+
+    from conftest import quantized_rows
 
     if native.load() is None:
         pytest.skip("native operators unavailable")
