@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from test_architectures import MOE, VOCAB, make
 from transformers import PreTrainedModel
 
 from powerinfer.convert.model import gguf_source
@@ -31,6 +30,7 @@ from powerinfer.sparsity.profiler import profile_activations
 
 from conftest import convert_each
 from helpers import decode_logits
+from tiny_architectures import MOE, VOCAB, make
 
 N_CTX = 256
 CHUNK = 256
