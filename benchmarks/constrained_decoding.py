@@ -16,11 +16,12 @@ import time
 from pathlib import Path
 
 import torch
-from common import machine_description
-from server_load import OtherLoad
 
 from powerinfer import LLM
 from powerinfer.runtime.constraint import Constraint, json_schema_grammar
+
+from common import machine_description
+from server_load import OtherLoad
 
 PROMPT = [{"role": "user", "content": "Write a long story about a dragon who learns to cook, as JSON."}]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title", "story", "characters"],

@@ -38,8 +38,9 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_description  # noqa: E402
 from solver import firing_probabilities  # noqa: E402
+
+from common import machine_description  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "hybrid_offload.md"
 SHAPES = {  # layers, n_embd, n_ff, heads, vocab
@@ -140,7 +141,7 @@ def release() -> None:
 def decode_speed(step, first_token: int, n_gen: int) -> tuple[float, list[torch.Tensor]]:
     """Tokens/s of `n_gen` greedy steps (after two warm-up steps); `step(token)` returns logits."""
     token, logits, times = first_token, [], []
-    for i in range(n_gen + 2):
+    for _ in range(n_gen + 2):
         started = time.perf_counter()
         out = step(token)
         times.append(time.perf_counter() - started)

@@ -47,9 +47,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import powerinfer_upstream as upstream
 import torch
 
-import powerinfer_upstream as upstream
 from common import ROOT, machine_description
 
 RESULTS = ROOT / "benchmarks" / "results" / "powerinfer_original.md"

@@ -23,13 +23,14 @@ from unittest import mock
 
 import numpy as np
 import torch
-from common import machine_description, memory_bandwidth
 from gguf import GGMLQuantizationType as T
 
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
 from powerinfer.ops.linear import build_linear
 from powerinfer.ops.quant import BLOCK_TYPES, random_blocks
+
+from common import machine_description, memory_bandwidth
 
 OUT_FEATURES, IN_FEATURES, LAYERS = 11008, 4096, 3
 CACHED = (1024, 2048)  # a layer that stays in cache: the kernels' arithmetic speed, not the memory's

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from common import cpu_model
 from powerinfer.placement.costs import GiB, ModelShape, Speeds, measure_cpu_bandwidth
 from powerinfer.placement.solver import plan_from_counts
+
+from common import cpu_model
 
 CASES = [("7B", 32, 11008, 4096, 0.1), ("13B", 40, 13824, 5120, 0.1), ("70B", 80, 28672, 8192, 0.1),
          ("70B sparse", 80, 28672, 8192, 0.015)]  # name, layers, n_ff, n_embd, firing scale

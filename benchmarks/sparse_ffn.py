@@ -24,12 +24,13 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from common import memory_bandwidth
 from powerinfer.config import FFNActivation
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
 from powerinfer.ops.linear import build_linear
 from powerinfer.ops.neuron import NeuronStore, sparse_ffn
+
+from common import memory_bandwidth
 
 D_MODEL, N_FF = 4096, 11008
 OUT = Path(__file__).parent / "results" / "sparse_ffn.md"

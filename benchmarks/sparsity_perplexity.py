@@ -29,8 +29,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from common import ROOT, ensure_llama_cpp, machine_description, wikitext
 from tqdm import tqdm
+
+from common import ROOT, ensure_llama_cpp, machine_description, wikitext
 
 RESULTS = ROOT / "benchmarks" / "results" / "sparsity_perplexity.md"
 PLOT = ROOT / "docs" / "sparsity_perplexity.png"
@@ -55,9 +56,7 @@ def run_perplexity(logits_of: Callable[[], Callable], chunks, label: str, cache:
         if saved.exists():
             print(f"{label}: measured before ({saved})", file=sys.stderr)
             return Measured(**json.loads(saved.read_text()))
-    result = None
-    for result in tqdm(perplexity(logits_of(), chunks), total=len(chunks), desc=label, unit="chunk", file=sys.stderr):
-        pass
+    *_, result = tqdm(perplexity(logits_of(), chunks), total=len(chunks), desc=label, unit="chunk", file=sys.stderr)
     measured = Measured(result.ppl, result.error)
     if saved is not None:
         cache.mkdir(parents=True, exist_ok=True)
@@ -115,8 +114,8 @@ def main() -> int:
 
     from powerinfer import LLM
     from powerinfer.hub import resolve_model
-    from powerinfer.sparsity.profiler import calibration_chunks, calibrate_thresholds
     from powerinfer.runtime.engine import Engine
+    from powerinfer.sparsity.profiler import calibrate_thresholds, calibration_chunks
     from powerinfer.tools.perplexity import chunks_of
 
     model = str(resolve_model(args.model))

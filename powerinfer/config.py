@@ -100,10 +100,6 @@ class ModelConfig:
     def ffn_unit(self, layer: int, expert: int | None = None) -> int:
         return layer if expert is None else layer * self.n_expert + expert
 
-    def unit_layer(self, unit: int) -> int:
-        """The layer FFN unit `unit` belongs to."""
-        return unit // max(1, self.n_expert)
-
     @property
     def kv_dim(self) -> int:
         return self.n_head_kv * self.head_dim

@@ -116,7 +116,7 @@ class Tokenizer:
         return self.backend.token_to_id(piece)
 
     @classmethod
-    def from_gguf(cls, gguf: GGUFFile) -> "Tokenizer":
+    def from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
         kind = gguf.get("tokenizer.ggml.model")
         tokens = gguf.get("tokenizer.ggml.tokens")
         if kind is None or not tokens:
@@ -167,10 +167,7 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
-    def token_text(self, token_id: int) -> str:
-        return self.decode([token_id])
-
-    def stream_decoder(self) -> "StreamDecoder":
+    def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self)
 
     # -- chat ----------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 from collections.abc import Callable
@@ -9,6 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from powerinfer.gguf.writer import write_gguf
+from powerinfer.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN
 
 WIKITEXT = Path(__file__).resolve().parent / "data" / "wikitext-2"  # a slice the tests carry (see its README)
 
@@ -149,3 +153,41 @@ def quantized_rows(ggml_type, rows: int, cols: int, seed: int):
     except NotImplementedError:
         raw = random_blocks(ggml_type, rows, cols, rng)
     return GGUFTensor("w", ggml_type, (rows, cols), raw)
+
+
+# -- a SentencePiece (llama) vocabulary trained on the WikiText-2 slice ----------------------------
+
+@pytest.fixture(scope="session")
+def valid_lines(wikitext_valid) -> list[str]:
+    return wikitext_valid.splitlines()
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_model(valid_lines):
+    import sentencepiece as spm
+
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(valid_lines[:300]), model_writer=proto, vocab_size=1200,
+                                   model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False,  # as Llama's SentencePiece models
+                                   character_coverage=0.9995, minloglevel=2)
+    return spm.SentencePieceProcessor(model_proto=proto.getvalue())
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_gguf(sentencepiece_model, tmp_path_factory):
+    sp = sentencepiece_model
+    n = sp.get_piece_size()
+    types = [CONTROL if sp.is_control(i) else UNKNOWN if sp.is_unknown(i) else BYTE if sp.is_byte(i) else NORMAL
+             for i in range(n)]
+    path = tmp_path_factory.mktemp("spm") / "tokenizer.gguf"
+    write_gguf(path, "llama", {
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+        "tokenizer.ggml.scores": [float(sp.get_score(i)) for i in range(n)],
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": sp.bos_id(), "tokenizer.ggml.eos_token_id": sp.eos_id(),
+        "tokenizer.ggml.unknown_token_id": sp.unk_id(),
+        "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_space_prefix": True,
+    }, [])
+    return path

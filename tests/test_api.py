@@ -10,8 +10,6 @@ import torch
 
 from powerinfer import LLM, PowerInferError
 
-from test_tokenizer import sentencepiece_gguf, sentencepiece_model, valid_lines  # noqa: F401 - fixtures
-
 
 def test_tokenize_round_trip(default_llm):
     ids = default_llm.tokenize("Hello world, 2024!")

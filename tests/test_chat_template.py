@@ -13,7 +13,8 @@ from powerinfer.convert.model import gguf_source, write_model
 from powerinfer.errors import ChatTemplateError, PowerInferError
 from powerinfer.gguf import open_gguf
 from powerinfer.tokenizer import Tokenizer
-from test_cli import assert_one_line_error, powerinfer
+
+from helpers import assert_one_line_error, powerinfer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <there> & you"},
             {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Name a colour."}]

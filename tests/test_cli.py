@@ -5,28 +5,13 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from powerinfer.gguf.writer import TensorData, write_gguf
 
-
-def powerinfer(*args: str, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "powerinfer.cli", *args], capture_output=True, text=True,
-                          input=stdin, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0]
+from helpers import assert_one_line_error, powerinfer
 
 
 def test_run_prints_text_and_timings(default_model):

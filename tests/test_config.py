@@ -9,11 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from powerinfer.config import ModelConfig
-from powerinfer.models import read_config
 from powerinfer.errors import ModelFileError, PowerInferError
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.writer import write_gguf
-from test_cli import assert_one_line_error, powerinfer
+from powerinfer.models import read_config
+
+from helpers import assert_one_line_error, powerinfer
 
 TOKENS = [f"t{i}" for i in range(32)]
 # SmolLM2-135M's shape, with a 32-token vocabulary

@@ -18,13 +18,10 @@ from hypothesis import strategies as st
 
 from powerinfer import LLM
 from powerinfer.config import FFNActivation
-from powerinfer.ops.linear import CPU, build_linear
 from powerinfer.models.hybrid_ffn import HybridFFN, KernelNeurons, RecordNeurons
+from powerinfer.ops.linear import CPU, build_linear
 
-from test_hybrid import logits as decode_and_prefill_logits
-from test_hybrid import place_everything
-from test_neuron_ops import store as random_store
-from test_neuron_ops import tensor as random_tensor
+from helpers import decode_and_prefill_logits, place_everything, random_store, random_tensor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")

@@ -1,5 +1,5 @@
 """The native decode attention (attention.cpp), on each instruction set, against torch's RoPE and
-scaled_dot_product_attention."""
+scaled_dot_product_attention, with each option of AttentionSpec."""
 
 from __future__ import annotations
 
@@ -7,44 +7,60 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from powerinfer.models.layers import RotaryEmbedding
+from powerinfer.models.layers import RotaryEmbedding, _softcapped_attention
 from powerinfer.ops import native
 
 N_HEAD, N_KV, N_CTX, SLOTS = 6, 2, 700, 3
 HEAD_DIMS = [64, 16, 24, 20]  # in vector registers (AVX-512: multiples of 16, AVX2: of 8), else plain loops
 ROWS = [(2, 5), (0, 0), (1, 650), (2, 17)]  # (slot, position): two rows share slot 2's cache
+# (NeoX pairs, share of the head RoPE rotates, window, scale, soft cap): llama's plain attention,
+# then what Qwen, Phi-3 (partial NeoX RoPE, a window), Gemma 3 (a window, its query scale) and
+# Gemma 2 (soft-capped scores) add
+OPTIONS = {"plain": (False, 1.0, 0, 0.0, 0.0), "neox": (True, 1.0, 0, 0.0, 0.0),
+           "partial-neox-window": (True, 0.5, 12, 0.0, 0.0), "window-scale": (True, 1.0, 8, 0.3, 0.0),
+           "softcap": (False, 1.0, 0, 0.0, 1.5)}
 
 ops = native.load()
 pytestmark = pytest.mark.skipif(ops is None, reason="native operators could not be built here")
 
 
-def inputs(seed: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def inputs(seed: int, head_dim: int, rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(len(ROWS), (N_HEAD + 2 * N_KV) * head_dim, generator=g)
     keys = torch.randn(SLOTS, N_KV, N_CTX, head_dim, generator=g)
     values = torch.randn(SLOTS, N_KV, N_CTX, head_dim, generator=g)
-    rotations = RotaryEmbedding(head_dim, N_CTX, 10000.0).rotations[[pos for _, pos in ROWS]]
-    return qkv, keys, values, rotations
+    return qkv, keys, values, rope.rotations[[pos for _, pos in ROWS]]
 
 
-def run(qkv, keys, values, rotations, rows) -> torch.Tensor:
+def rope_of(head_dim: int, neox: bool = False, share: float = 1.0) -> RotaryEmbedding:
+    return RotaryEmbedding(head_dim, N_CTX, 10000.0, interleaved=not neox, rope_dim=int(head_dim * share) // 2 * 2)
+
+
+def run(qkv, keys, values, rotations, rows, spec) -> torch.Tensor:
     return ops.decode_attention(qkv[rows].clone(), keys, values, [ROWS[r][0] for r in rows], [ROWS[r][1] for r in rows],
-                                rotations[rows], N_HEAD, N_KV)
+                                rotations[rows], spec)
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_equals_torch_reference(head_dim, isa):
-    qkv, keys, values, rotations = inputs(0, head_dim)
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_equals_torch_reference(head_dim, option, isa):
+    neox, share, window, scale, softcap = OPTIONS[option]
+    rope = rope_of(head_dim, neox, share)
+    spec = ops.AttentionSpec(N_HEAD, N_KV, rope.rope_dim, neox=neox, window=window, scale=scale, softcap=softcap)
+    qkv, keys, values, rotations = inputs(0, head_dim, rope)
     ref_keys, ref_values = keys.clone(), values.clone()
-    got = run(qkv, keys, values, rotations, list(range(len(ROWS))))
+    got = run(qkv, keys, values, rotations, list(range(len(ROWS))), spec)
     qk_dim = (N_HEAD + N_KV) * head_dim
     for row, (slot, pos) in enumerate(ROWS):
-        qk = torch.view_as_real(torch.view_as_complex(qkv[row, :qk_dim].view(-1, head_dim // 2, 2)) * rotations[row])
-        qk = qk.view(N_HEAD + N_KV, head_dim)
+        qk = rope(qkv[row, :qk_dim].view(1, N_HEAD + N_KV, head_dim), slice(pos, pos + 1))[0]
         ref_keys[slot, :, pos] = qk[N_HEAD:]
         ref_values[slot, :, pos] = qkv[row, qk_dim:].view(N_KV, head_dim)
-        expected = F.scaled_dot_product_attention(qk[None, :N_HEAD, None], ref_keys[slot : slot + 1, :, : pos + 1],
-                                                  ref_values[slot : slot + 1, :, : pos + 1], enable_gqa=True)
+        first = max(0, pos + 1 - window) if window else 0
+        k, v = ref_keys[slot : slot + 1, :, first : pos + 1], ref_values[slot : slot + 1, :, first : pos + 1]
+        if softcap:
+            expected = _softcapped_attention(qk[None, :N_HEAD, None], k, v, scale or head_dim**-0.5, softcap)
+        else:
+            expected = F.scaled_dot_product_attention(qk[None, :N_HEAD, None], k, v, enable_gqa=True, scale=scale or None)
         torch.testing.assert_close(got[row], expected.flatten(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(keys, ref_keys, rtol=1e-6, atol=1e-6)
     assert torch.equal(values, ref_values)
@@ -53,13 +69,17 @@ def test_equals_torch_reference(head_dim, isa):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_each_row_gets_its_single_row_result_exactly(head_dim, isa):
     """Rows alone or together, serial or spread over threads: the same bits."""
-    qkv, keys, values, rotations = inputs(1, head_dim)
-    together = run(qkv, keys.clone(), values.clone(), rotations, [1, 2, 3])
+    rope = rope_of(head_dim)
+    spec = ops.AttentionSpec(N_HEAD, N_KV, rope.rope_dim)
+    qkv, keys, values, rotations = inputs(1, head_dim, rope)
+    together = run(qkv, keys.clone(), values.clone(), rotations, [1, 2, 3], spec)
     for i, row in enumerate([1, 2, 3]):
-        assert torch.equal(together[i], run(qkv, keys.clone(), values.clone(), rotations, [row])[0])
+        assert torch.equal(together[i], run(qkv, keys.clone(), values.clone(), rotations, [row], spec)[0])
 
 
 def test_rejects_out_of_range_positions():
-    qkv, keys, values, rotations = inputs(2, 16)
+    rope = rope_of(16)
+    qkv, keys, values, rotations = inputs(2, 16, rope)
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.decode_attention(qkv[:1].clone(), keys, values, [0], [N_CTX], rotations[:1], N_HEAD, N_KV)
+        ops.decode_attention(qkv[:1].clone(), keys, values, [0], [N_CTX], rotations[:1],
+                             ops.AttentionSpec(N_HEAD, N_KV, rope.rope_dim))

@@ -21,19 +21,24 @@ from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf import open_gguf
 from powerinfer.models import load_model
 from powerinfer.models.ffn import FFNOptions, SparseFFN
-from powerinfer.placement.solver import Plan
-from powerinfer.runtime.engine import Engine
 from powerinfer.models.hybrid_ffn import HybridFFN
 from powerinfer.placement.apply import apply_placement
+from powerinfer.placement.solver import Plan
 from powerinfer.placement.spec import Placement
+from powerinfer.runtime.engine import Engine
 from powerinfer.sparsity.predictors import TrainingOptions, load_predictors, save_predictors, train_predictors
 from powerinfer.tokenizer import Tokenizer
 
 from conftest import convert_each
-from test_cli import assert_one_line_error, powerinfer
-from test_models import greedy, reference_logits
-from test_predictors import _read_back
-from test_sparse import decode_logits, engine
+from helpers import (
+    assert_one_line_error,
+    decode_logits,
+    engine,
+    greedy,
+    powerinfer,
+    read_back_powerinfer_gguf,
+    reference_logits,
+)
 
 N_CTX = 128
 VOCAB = 49152  # the default model's tokenizer
@@ -206,7 +211,7 @@ def hf_down(model: PreTrainedModel, layer: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def test_powerinfer_gguf_holds_predictors_and_transposed_down(relu, pwri, tmp_path):
-    tensors = {t.name: np.asarray(t.data) for t in _read_back(pwri, tmp_path).tensors}  # checks the PWRI magic
+    tensors = {t.name: np.asarray(t.data) for t in read_back_powerinfer_gguf(pwri, tmp_path).tensors}  # checks the PWRI magic
     for i in range(relu.hf.config.num_hidden_layers):
         assert {f"blk.{i}.fc1.weight", f"blk.{i}.fc2.weight"} <= tensors.keys()
         assert not {f"blk.{i}.ffn_down.weight", f"blk.{i}.ffn_down.bias"} & tensors.keys()
@@ -249,7 +254,7 @@ def test_hybrid_split_changes_nothing(opt, pwri, ids, mode):
 def test_powerinfer_gguf_round_trips(opt, pwri, tmp_path):
     again = tmp_path / "again.gguf"
     write_model(gguf_source(pwri), again, None, progress=False)  # rewritten as it is
-    a, b = _read_back(pwri, tmp_path), _read_back(again, tmp_path)
+    a, b = read_back_powerinfer_gguf(pwri, tmp_path), read_back_powerinfer_gguf(again, tmp_path)
     assert {k: (f.contents(), f.types) for k, f in a.fields.items()} == {k: (f.contents(), f.types) for k, f in b.fields.items()}
     for x, y in zip(a.tensors, b.tensors, strict=True):
         assert (x.name, x.tensor_type) == (y.name, y.tensor_type)

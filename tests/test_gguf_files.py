@@ -21,7 +21,8 @@ from powerinfer.errors import ModelFileError, PowerInferError, UnsupportedModelE
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.writer import TensorData, write_gguf
 from powerinfer.models import check_tensor_types, read_config
-from test_cli import assert_one_line_error, powerinfer
+
+from helpers import assert_one_line_error, powerinfer
 
 
 def small_file(path, powerinfer=False, ggml_type=T.Q4_0):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 from contextlib import contextmanager
-from unittest import mock
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -26,12 +26,12 @@ from powerinfer.models.hybrid_ffn import HybridFFN
 from powerinfer.models.predictor import Predictor
 from powerinfer.placement.apply import apply_placement
 from powerinfer.placement.costs import ModelShape, Speeds, dense_parts, model_shape
-from powerinfer.placement.gpu_index import index_path, read_gpu_index, write_gpu_index
+from powerinfer.placement.gpu_index import index_path, read_gpu_index
 from powerinfer.placement.solver import Plan, plan_from_counts
 from powerinfer.placement.spec import DensePlacement, Placement
 from powerinfer.runtime.engine import Engine
 
-from test_neuron_ops import store as random_store
+from helpers import decode_and_prefill_logits, place_everything, random_store
 
 CPU = torch.device("cpu")
 N_CTX = 64
@@ -103,25 +103,18 @@ def ids() -> list[int]:
     return torch.randint(0, 49152, (24,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
-def logits(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(decode logits after a 4-token prompt, logits of one 24-token prefill: the dense path)."""
-    engine = Engine(model, N_CTX)
-    rows = [engine.prefill(0, ids[:4])] + [engine.decode([(0, t)])[0] for t in ids[4:]]
-    return torch.stack(rows), Engine(model, N_CTX).all_logits(ids)
-
-
 @pytest.fixture(scope="module")
 def engines(relu_models, ids):
     """Per outtype: a sparse model to split in place, and the single-device logits per mode."""
     out = {}
     for outtype, path in relu_models.items():
         model = load_model(open_gguf(path), N_CTX, FFNOptions(sparsity="oracle"))
-        reference = {"oracle": logits(model, ids)}
+        reference = {"oracle": decode_and_prefill_logits(model, ids)}
         if outtype == "f32":  # off against the dense model: exact arithmetic either way
-            reference["off"] = logits(load_model(open_gguf(path), N_CTX, FFNOptions(sparsity="off")), ids)
+            reference["off"] = decode_and_prefill_logits(load_model(open_gguf(path), N_CTX, FFNOptions(sparsity="off")), ids)
         else:  # quantized: the dense model rounds differently, so compare with the same records
             with ffns(model, lambda f, _: SparseFFN(f.store, f.activation, "off")):
-                reference["off"] = logits(model, ids)
+                reference["off"] = decode_and_prefill_logits(model, ids)
         out[outtype] = model, reference
     return out
 
@@ -159,7 +152,7 @@ def test_hybrid_model_equals_single_device_for_random_budgets(engines, ids, outt
         return HybridFFN(single, hot, CPU) if len(hot) else single
 
     with ffns(model, split):
-        got = logits(model, ids)
+        got = decode_and_prefill_logits(model, ids)
     tolerance = 1e-4 if outtype == "f32" else 0.04  # q4_0: logits come out of a bfloat16 kernel
     for value, expected in zip(got, reference[mode]):  # decode, then prefill
         torch.testing.assert_close(value, expected, rtol=0, atol=tolerance * expected.abs().max().item())
@@ -197,7 +190,7 @@ def test_offloaded_dense_parts_give_the_single_device_result(relu_models, ids, c
                                                                       for i in range(2)]
     assert all(split.blocks[i].step is None for i in offloaded)  # offloaded blocks run the torch path
     tolerance = 1e-4 if outtype == "f32" else 0.04  # q4_0: the native step and the torch path round differently
-    for got, expected in [*zip(logits(split, ids), logits(single, ids)),
+    for got, expected in [*zip(decode_and_prefill_logits(split, ids), decode_and_prefill_logits(single, ids)),
                           (batched_decode_logits(split, ids), batched_decode_logits(single, ids))]:
         torch.testing.assert_close(got, expected, rtol=0, atol=tolerance * expected.abs().max().item())
 
@@ -209,19 +202,8 @@ def test_placement_splits_only_the_layers_with_hot_neurons(relu_models, engines,
     apply_placement(model, Placement(CPU, plan))
     assert isinstance(model.blocks[0].ffn, HybridFFN) and model.blocks[0].ffn.n_hot == len(plan.hot[0])
     assert isinstance(model.blocks[1].ffn, DenseFFN)  # nothing placed: built as without a plan
-    for value, expected in zip(logits(model, ids), engines["f32"][1]["off"]):
+    for value, expected in zip(decode_and_prefill_logits(model, ids), engines["f32"][1]["off"]):
         torch.testing.assert_close(value, expected, rtol=0, atol=1e-4 * expected.abs().max().item())
-
-
-def place_everything(path: Path, accelerator: str = "cpu") -> float:
-    """Write a GPU index putting every neuron on an accelerator of type `accelerator`; return a
-    budget (GiB) that covers it and all dense parts."""
-    gguf = open_gguf(path)
-    config = read_config(gguf)
-    shape = model_shape(gguf, config, accelerator)
-    write_gpu_index(index_path(path), Plan(tuple(np.arange(n, dtype=np.int32) for n in shape.n_ff), shape.n_ff,
-                                           shape.ffn_bytes, shape.ffn_bytes, None, None, None, None))
-    return (dense_parts(gguf, config, N_CTX).total + shape.ffn_bytes) / 2**30
 
 
 @pytest.fixture
@@ -298,7 +280,7 @@ def test_layer_offload_gives_the_cpu_result(relu_models, ids, n_gpu_layers, caps
     assert all(isinstance(b.ffn, DenseFFN) for b in offloaded.model.blocks)
     assert offloaded.placement.dense.output == (n_gpu_layers > 2)
     assert f"{min(n_gpu_layers, 2)}/2 layers offloaded whole" in capsys.readouterr().err
-    for got, expected in zip(logits(offloaded.model, ids), logits(cpu.model, ids)):
+    for got, expected in zip(decode_and_prefill_logits(offloaded.model, ids), decode_and_prefill_logits(cpu.model, ids)):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-4 * expected.abs().max().item())
     with pytest.raises(PowerInferError, match="not both"):
         LLM(path, n_ctx=N_CTX, n_gpu_layers=1, vram_budget=1.0, accelerator="cpu")

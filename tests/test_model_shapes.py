@@ -14,7 +14,7 @@ from powerinfer.errors import ModelFileError
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.writer import TensorData, write_gguf
 
-from test_cli import assert_one_line_error, powerinfer
+from helpers import assert_one_line_error, powerinfer
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,9 @@ from powerinfer.models import load_model
 from powerinfer.models.ffn import FFNOptions
 from powerinfer.runtime.engine import Engine
 
+from helpers import greedy, reference_logits
+
 N_CTX = 256
-
-
-def reference_logits(hf_model, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf_model(torch.tensor([ids])).logits[0].float()
 
 
 def gguf_reference(path, hf_model) -> torch.nn.Module:
@@ -61,15 +58,6 @@ def test_quantized_gguf_matches_transformers_reading_same_file(tiny_llama, ids, 
     # The fast path rounds activations to bfloat16 (llama.cpp rounds them to 8 bits).
     fast = engine_for(ggufs[outtype]).all_logits(ids)
     assert (fast - expected).abs().max().item() < 0.05 * scale
-
-
-def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
-    logits = engine.prefill(0, prompt)
-    out = []
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = engine.decode([(0, out[-1])])[0]
-    return out
 
 
 def test_greedy_continuation_equals_transformers(tiny_llama, ids):

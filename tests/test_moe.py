@@ -12,17 +12,16 @@ import torch
 from gguf import GGMLQuantizationType as T
 from transformers import PreTrainedModel
 
+from powerinfer.convert.model import gguf_source
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.writer import TensorData, write_gguf
-from powerinfer.convert.model import gguf_source
 from powerinfer.models import load_model, read_config
 from powerinfer.models.ffn import FFNOptions, SparseFFN
 from powerinfer.models.hybrid_ffn import HybridFFN
 from powerinfer.models.moe import MoEFFN
 from powerinfer.models.predictor import LAYER_THRESHOLDS_KEY, predictor_name
 from powerinfer.placement.apply import apply_placement
-from powerinfer.placement.costs import model_shape
-from powerinfer.placement.costs import Speeds
+from powerinfer.placement.costs import Speeds, model_shape
 from powerinfer.placement.solver import Plan, plan_from_counts
 from powerinfer.placement.spec import Placement
 from powerinfer.runtime.engine import Engine
@@ -30,8 +29,8 @@ from powerinfer.sparsity.predictors import TrainingOptions, train_predictors
 from powerinfer.sparsity.profiler import profile_activations
 
 from conftest import convert_each
-from test_architectures import MOE, VOCAB, make
-from test_sparse import decode_logits
+from helpers import decode_logits
+from tiny_architectures import MOE, VOCAB, make
 
 N_CTX = 256
 CHUNK = 256

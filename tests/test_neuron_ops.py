@@ -3,44 +3,26 @@ references, gguf.quants' dequantization and exact math."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from conftest import quantized_rows
 from gguf import GGMLQuantizationType as T
-from gguf import quants
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from powerinfer.config import FFNActivation
-from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
 from powerinfer.ops import neuron as N
 from powerinfer.ops.activation import activate
 
-BLOCK_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+from helpers import BLOCK_TYPES, random_store
+
 TYPES = [*BLOCK_TYPES, T.F32, T.F16]
 K_QUANTS = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
 
 
-def tensor(rng, rows, cols, ggml_type) -> tuple[GGUFTensor, torch.Tensor]:
-    if ggml_type in BLOCK_TYPES:
-        t = quantized_rows(ggml_type, rows, cols, int(rng.integers(2**16)))
-        return t, torch.from_numpy(quants.dequantize(t.data, ggml_type).astype(np.float32))
-    w = rng.standard_normal((rows, cols)).astype(np.float32)
-    raw = w if ggml_type == T.F32 else w.astype(np.float16)
-    return GGUFTensor("w", ggml_type, (rows, cols), raw), torch.from_numpy(raw.astype(np.float32))
-
-
-def store(seed, ggml_type, n_ff, d_in, d_out, gated=True):
-    rng = np.random.default_rng(seed)
-    (g, gw), (u, uw), (dt, dw) = tensor(rng, n_ff, d_in, ggml_type), tensor(rng, n_ff, d_in, ggml_type), tensor(rng, n_ff, d_out, ggml_type)
-    return N.NeuronStore(g if gated else None, u, dt), (gw if gated else None, uw, dw)
-
-
 @pytest.mark.parametrize("ggml_type", TYPES)
 def test_records_hold_the_exact_weights(ggml_type):
-    s, (gw, uw, dw) = store(0, ggml_type, 70, 256, 512)
+    s, (gw, uw, dw) = random_store(0, ggml_type, 70, 256, 512)
     assert torch.equal(s.weights(s.gate), gw) and torch.equal(s.weights(s.down), dw)
     assert s.records.shape == (70, s.record_bytes) and s.record_bytes % 64 == 0
     row_bytes = [N.record_row_bytes(ggml_type, n) for n in (256, 256, 512)]
@@ -52,7 +34,7 @@ needs_native = pytest.mark.skipif(native.load() is None, reason="native operator
 
 def operator_case(ggml_type, blocks, n_ff, tokens, seed, data):
     block = 256 if ggml_type in K_QUANTS else 32
-    s, _ = store(seed, ggml_type, n_ff, block * blocks, block * max(1, blocks // 2))
+    s, _ = random_store(seed, ggml_type, n_ff, block * blocks, block * max(1, blocks // 2))
     idx = torch.tensor(sorted(data.draw(st.sets(st.integers(0, n_ff - 1), min_size=1))), dtype=torch.int64)
     x = torch.randn(tokens, block * blocks, generator=torch.Generator().manual_seed(seed))
     a = torch.randn(tokens, len(idx), generator=torch.Generator().manual_seed(seed + 1))
@@ -109,7 +91,7 @@ def test_block_type_records_equal_dequantized_float_products(ggml_type, blocks, 
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K, T.F32])
 def test_sparse_ffn_over_all_neurons_equals_dense_ffn(ggml_type):
     """The operator's only approximation is rounding x to 8 bits per block of 32 (as llama.cpp)."""
-    s, (gw, uw, dw) = store(3, ggml_type, 120, 256, 256)
+    s, (gw, uw, dw) = random_store(3, ggml_type, 120, 256, 256)
     x = torch.randn(2, 256)
     dense = activate(torch.cat([x @ gw.T, x @ uw.T], -1), FFNActivation.SILU_GATED) @ dw
     sparse = N.sparse_ffn(s, FFNActivation.SILU_GATED, x, torch.arange(120))
@@ -119,7 +101,7 @@ def test_sparse_ffn_over_all_neurons_equals_dense_ffn(ggml_type):
 
 def test_skipping_zero_neurons_changes_nothing():
     """ReLU: computing only the neurons that fire equals computing all of them."""
-    s, (gw, uw, dw) = store(4, T.F32, 200, 64, 64)
+    s, (gw, uw, dw) = random_store(4, T.F32, 200, 64, 64)
     x = torch.randn(1, 64)
     fired = torch.nonzero((x @ gw.T)[0] > 0).flatten()
     everything = N.sparse_ffn(s, FFNActivation.RELU_GATED, x, torch.arange(200))
@@ -128,7 +110,7 @@ def test_skipping_zero_neurons_changes_nothing():
 
 
 def test_non_gated_ffn():
-    s, (_, uw, dw) = store(5, T.F32, 50, 64, 32, gated=False)
+    s, (_, uw, dw) = random_store(5, T.F32, 50, 64, 32, gated=False)
     x = torch.randn(1, 64)
     torch.testing.assert_close(N.sparse_ffn(s, FFNActivation.RELU, x, torch.arange(50)), torch.relu(x @ uw.T) @ dw,
                                rtol=1e-4, atol=1e-4)
@@ -136,6 +118,6 @@ def test_non_gated_ffn():
 
 @needs_native
 def test_bad_indices_are_rejected():
-    s, _ = store(6, T.Q4_0, 10, 64, 64)
+    s, _ = random_store(6, T.Q4_0, 10, 64, 64)
     with pytest.raises(RuntimeError, match="out of range"):
         N.sparse_ffn(s, FFNActivation.SILU_GATED, torch.randn(1, 64), torch.tensor([3, 10]))

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
-from unittest import mock
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -21,8 +21,9 @@ from powerinfer.gguf import open_gguf
 from powerinfer.gguf.writer import TensorData, write_gguf
 from powerinfer.outputs import OutputExistsError, atomic_directory, check_output_dir, check_output_file
 from powerinfer.sparsity.predictors import PREDICTOR_FILES, TrainedPredictor, load_predictors, save_predictors
+
 from conftest import make_tiny_llama
-from test_cli import assert_one_line_error, powerinfer
+from helpers import assert_one_line_error, powerinfer
 
 
 def tiny_model(path: Path) -> Path:

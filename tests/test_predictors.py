@@ -2,27 +2,31 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFValueType
 
 from powerinfer.config import ACTIVATION_KEY, FFNActivation
 from powerinfer.convert.encode import parse_outtype
 from powerinfer.convert.hf import hf_source
 from powerinfer.convert.model import gguf_source, write_model
 from powerinfer.gguf import open_gguf
-from powerinfer.gguf.reader import PWRI_MAGIC
 from powerinfer.models import read_config
 from powerinfer.models.ffn import SparseFFN
 from powerinfer.models.predictor import SPARSE_THRESHOLD_KEY
-from powerinfer.sparsity.predictors import TrainedPredictor, TrainingOptions, load_predictors, save_predictors, train_predictors
+from powerinfer.sparsity.predictors import (
+    TrainedPredictor,
+    TrainingOptions,
+    load_predictors,
+    save_predictors,
+    train_predictors,
+)
 from powerinfer.sparsity.profiler import calibration_chunks, firing_thresholds
-from test_cli import assert_one_line_error, powerinfer
-from test_sparse import decode_logits, engine
+
+from helpers import assert_one_line_error, decode_logits, engine, powerinfer, read_back_powerinfer_gguf
 
 OPTIONS = TrainingOptions(ranks=(32, 128), steps=300)
 TOKENS, CHUNK = 4096, 256
@@ -81,22 +85,11 @@ def test_predictor_directory_has_powerinfers_layout(trained):
     assert (loaded.activation_thresholds is None) == (c.hidden_act == "relu")
 
 
-def _read_back(path: Path, tmp_path: Path) -> GGUFReader:
-    """The file as the `gguf` package reads it (PWRI magic patched to GGUF's on a copy)."""
-    copy = tmp_path / f"{path.name}.copy"
-    shutil.copy(path, copy)
-    with open(path, "rb") as f:
-        assert int.from_bytes(f.read(4), "little") == PWRI_MAGIC
-    with open(copy, "r+b") as f:
-        f.write(b"GGUF")
-    return GGUFReader(copy)
-
-
 def test_powerinfer_gguf_from_hugging_face_holds_predictors_and_transposed_down(trained, tmp_path):
     hf_model, folder, _, out, _ = trained
     path = tmp_path / "model.powerinfer.gguf"
     write_model(hf_source(folder), path, parse_outtype("f32"), load_predictors(out), progress=False)
-    reader = _read_back(path, tmp_path)
+    reader = read_back_powerinfer_gguf(path, tmp_path)
     tensors = {t.name: t for t in reader.tensors}
     predictors = load_predictors(out)
     for i, layer in enumerate(hf_model.model.layers):
@@ -116,7 +109,7 @@ def test_powerinfer_gguf_round_trips(trained, tmp_path):
     second = tmp_path / "second.gguf"
     write_model(gguf_source(ggufs["q4_0"]), first, None, load_predictors(out), progress=False)
     write_model(gguf_source(first), second, None, progress=False)  # rewritten as it is
-    a, b = _read_back(first, tmp_path), _read_back(second, tmp_path)
+    a, b = read_back_powerinfer_gguf(first, tmp_path), read_back_powerinfer_gguf(second, tmp_path)
     assert {k: f.contents() for k, f in a.fields.items()} == {k: f.contents() for k, f in b.fields.items()}
     assert {k: f.types for k, f in a.fields.items()} == {k: f.types for k, f in b.fields.items()}
     for x, y in zip(a.tensors, b.tensors, strict=True):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import quantized_rows
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as T
 from hypothesis import given, settings
@@ -15,6 +14,8 @@ from hypothesis import strategies as st
 from powerinfer.ops import native
 from powerinfer.ops.linear import QuantLinear, pack_quant, quant_kernel
 from powerinfer.ops.quant import BLOCK_TYPES
+
+from conftest import quantized_rows
 
 pytestmark = pytest.mark.skipif(quant_kernel() is None, reason="native operators unavailable")
 TYPES = sorted(BLOCK_TYPES)
@@ -101,11 +102,11 @@ def k_quant_llama(tmp_path_factory, default_model):
     """(transformers config, path): a tiny SiLU llama (widths that are multiples of 256, as K-quants
     need) converted by us to f32, its projections then replaced by random Q4_K / Q6_K blocks (gguf
     cannot quantize to K-quants) with Q4_K_M's split of types."""
-    from conftest import convert_each, make_tiny_llama
-
     from powerinfer.convert.model import gguf_source
     from powerinfer.gguf.writer import TensorData, write_gguf
     from powerinfer.ops.quant import random_blocks
+
+    from conftest import convert_each, make_tiny_llama
 
     folder = tmp_path_factory.mktemp("tiny-k-quant")
     hf_model = make_tiny_llama(folder, "silu", tokenizer_from=default_model,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader, quants
 from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, quants
 
 from powerinfer import cli
 from powerinfer.convert.encode import parse_outtype
@@ -16,8 +16,9 @@ from powerinfer.convert.model import gguf_source, write_model
 from powerinfer.gguf import open_gguf
 from powerinfer.models.predictor import SPARSE_THRESHOLD_KEY
 from powerinfer.sparsity.predictors import PredictorDirectory
+
 from conftest import make_tiny_llama
-from test_cli import assert_one_line_error, powerinfer
+from helpers import assert_one_line_error, powerinfer
 
 N_LAYERS = 8
 # llama.cpp's "more bits" layers for 8 layers: the first and last eighth (0, 7) and every third

@@ -23,11 +23,11 @@ import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from powerinfer.api import schemas
 from powerinfer.commands.serve import listen
 from powerinfer.errors import PowerInferError
 from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.scheduler import Event, Request, Scheduler
-from powerinfer.api import schemas
 from powerinfer.server.app import create_app
 from powerinfer.server.gate import LOOPBACK_HOSTS
 from powerinfer.server.generation import Mailbox

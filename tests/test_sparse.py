@@ -7,22 +7,11 @@ import torch
 
 from powerinfer.config import FFNActivation
 from powerinfer.errors import PowerInferError
-from powerinfer.gguf import open_gguf
-from powerinfer.models import load_model
-from powerinfer.models.ffn import DenseFFN, FFNOptions, SparseFFN
-from powerinfer.runtime.engine import Engine
+from powerinfer.models.ffn import DenseFFN, SparseFFN
+
+from helpers import decode_logits, engine
 
 N_CTX = 128
-
-
-def engine(path, **options) -> Engine:
-    return Engine(load_model(open_gguf(path), N_CTX, FFNOptions(**options)), N_CTX)
-
-
-def decode_logits(e: Engine, ids: list[int], prompt: int = 6) -> torch.Tensor:
-    rows = [e.prefill(0, ids[:prompt])]
-    rows += [e.decode([(0, t)])[0] for t in ids[prompt:]]
-    return torch.stack(rows)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +74,6 @@ def test_prefill_skips_the_same_neurons_as_token_by_token_decode(tiny_llama, ids
 def test_one_token_native_call_equals_the_python_steps(activation):
     """PowerInfer's quantized predictors (Q4_0): a token's predictor, choice of neurons and sparse FFN
     run as one native call, with the Python steps' result bit for bit."""
-    from conftest import quantized_rows
     from gguf import GGMLQuantizationType as T
 
     from powerinfer.models.ffn import union
@@ -93,6 +81,8 @@ def test_one_token_native_call_equals_the_python_steps(activation):
     from powerinfer.ops import native
     from powerinfer.ops.linear import build_linear
     from powerinfer.ops.neuron import NeuronStore, sparse_ffn, sparse_ffn_reference
+
+    from conftest import quantized_rows
 
     if native.load() is None:
         pytest.skip("native operators unavailable")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import unicodedata
 
 import pytest
@@ -13,7 +12,7 @@ from tokenizers import pre_tokenizers
 from powerinfer.errors import ModelFileError, UnsupportedModelError
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.writer import write_gguf
-from powerinfer.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, Tokenizer
+from powerinfer.tokenizer import BYTE, Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +23,6 @@ def smollm2(default_model) -> Tokenizer:
 @pytest.fixture(scope="module")
 def transformers_smollm2(smollm2_reference):
     return smollm2_reference[0]
-
-
-@pytest.fixture(scope="module")
-def valid_lines(wikitext_valid) -> list[str]:
-    return wikitext_valid.splitlines()
 
 
 def with_digit_split(hf_tokenizer):
@@ -93,37 +87,6 @@ def test_streaming_decode_concatenates_to_decode(smollm2, text):
 
 
 # -- SentencePiece (llama) vocabularies ------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def sentencepiece_model(valid_lines):
-    import sentencepiece as spm
-
-    proto = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(valid_lines[:300]), model_writer=proto, vocab_size=1200,
-                                   model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
-                                   remove_extra_whitespaces=False,  # as Llama's SentencePiece models
-                                   character_coverage=0.9995, minloglevel=2)
-    return spm.SentencePieceProcessor(model_proto=proto.getvalue())
-
-
-@pytest.fixture(scope="module")
-def sentencepiece_gguf(sentencepiece_model, tmp_path_factory):
-    sp = sentencepiece_model
-    n = sp.get_piece_size()
-    types = [CONTROL if sp.is_control(i) else UNKNOWN if sp.is_unknown(i) else BYTE if sp.is_byte(i) else NORMAL
-             for i in range(n)]
-    path = tmp_path_factory.mktemp("spm") / "tokenizer.gguf"
-    write_gguf(path, "llama", {
-        "tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default",
-        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
-        "tokenizer.ggml.scores": [float(sp.get_score(i)) for i in range(n)],
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.bos_token_id": sp.bos_id(), "tokenizer.ggml.eos_token_id": sp.eos_id(),
-        "tokenizer.ggml.unknown_token_id": sp.unk_id(),
-        "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_space_prefix": True,
-    }, [])
-    return path
-
 
 SPM_SAMPLES = ["Hello world", "  two leading spaces", "digits 1234 and 3.14", "tabs\tand\nnewlines",
                "unicode: café, naïve, 東京, ½, emoji 😀🎉", "trailing space ", "", "x"]

@@ -122,7 +122,7 @@ class ResponseFormat(Body):
     json_schema: JSONSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _schema_given(self) -> "ResponseFormat":
+    def _schema_given(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise ValueError("json_schema is required with type 'json_schema', and only then")
         return self
@@ -178,7 +178,7 @@ class OpenAIRequest(Sampling):
         return data
 
     @model_validator(mode="after")
-    def _note_unknown(self) -> "OpenAIRequest":
+    def _note_unknown(self) -> OpenAIRequest:
         unknown = sorted(set(self.model_extra or {}) - set(self.UNSUPPORTED))
         if unknown:
             log.warning("ignoring fields nobody defines: %s", ", ".join(unknown))
@@ -285,7 +285,7 @@ class ChatRequest(OpenAIRequest):
         return value
 
     @model_validator(mode="after")
-    def _tools_consistent(self) -> "ChatRequest":
+    def _tools_consistent(self) -> ChatRequest:
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise ValueError("tools: function names must be unique")

@@ -6,9 +6,9 @@ import argparse
 import sys
 
 from powerinfer.commands.common import model_path
-from powerinfer.models import read_config
 from powerinfer.gguf.reader import open_gguf
 from powerinfer.llm import DEFAULT_N_CTX
+from powerinfer.models import read_config
 from powerinfer.outputs import check_output_file
 from powerinfer.placement.costs import GiB, Speeds, dense_parts, measure_cpu_bandwidth, model_shape
 from powerinfer.placement.gpu_index import index_path, write_gpu_index

@@ -8,7 +8,13 @@ from statistics import mean
 
 from powerinfer.commands.common import calibration_ids, load_llm, read_text
 from powerinfer.outputs import check_output_dir
-from powerinfer.sparsity.predictors import PREDICTOR_FILES, LayerReport, TrainingOptions, save_predictors, train_predictors
+from powerinfer.sparsity.predictors import (
+    PREDICTOR_FILES,
+    LayerReport,
+    TrainingOptions,
+    save_predictors,
+    train_predictors,
+)
 from powerinfer.sparsity.profiler import calibration_chunks, firing_thresholds
 
 

@@ -34,7 +34,7 @@ class HFCheckpoint:
     config: dict[str, Any]
 
     @classmethod
-    def open(cls, folder: str | Path) -> "HFCheckpoint":
+    def open(cls, folder: str | Path) -> HFCheckpoint:
         folder = Path(folder)
         config_path = folder / "config.json"
         if not config_path.exists():

@@ -102,15 +102,15 @@ _PREDICTOR = re.compile(r"blk\.\d+\.fc[12]\.weight")
 Rule = Callable[["Mix", str, ModelFacts], "T | None"]
 
 
-def _uniform(mix: "Mix", name: str, facts: ModelFacts) -> T | None:
+def _uniform(mix: Mix, name: str, facts: ModelFacts) -> T | None:
     return None if _PREDICTOR.fullmatch(name) else mix.base
 
 
-def _k_mix(mix: "Mix", name: str, facts: ModelFacts) -> T | None:
+def _k_mix(mix: Mix, name: str, facts: ModelFacts) -> T | None:
     return None if _PREDICTOR.fullmatch(name) else _k_mix_type(mix.name, mix.base, name, facts)
 
 
-def _everything(mix: "Mix", name: str, facts: ModelFacts) -> T | None:
+def _everything(mix: Mix, name: str, facts: ModelFacts) -> T | None:
     return mix.base
 
 

@@ -19,9 +19,17 @@ from powerinfer.config import FFNActivation
 from powerinfer.errors import PowerInferError, UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
 from powerinfer.models.predictor import Predictor, has_predictors, load_predictor
-from powerinfer.ops.activation import activate
 from powerinfer.ops import native
-from powerinfer.ops.linear import BiasedLinear, DenseLinear, Linear, QuantLinear, build_linear, dequantized, float_vector
+from powerinfer.ops.activation import activate
+from powerinfer.ops.linear import (
+    BiasedLinear,
+    DenseLinear,
+    Linear,
+    QuantLinear,
+    build_linear,
+    dequantized,
+    float_vector,
+)
 from powerinfer.ops.neuron import NeuronStore, accumulate_rows, gather_matvec, sparse_ffn
 from powerinfer.ops.quant import FLOAT_TYPES, T
 

@@ -3,7 +3,8 @@ gated FFN, NeoX RoPE, embeddings scaled by sqrt(n_embd), tied output head, and s
 attention on most layers with a RoPE base of their own; soft-capped logits where the file says.
 
 Norm weights are stored as llama.cpp's converter writes them: Gemma's RMSNorm multiplies by
-(1 + w), and the file holds 1 + w, so they load as plain RMSNorms. These blocks run the torch path.
+(1 + w), and the file holds 1 + w, so they load as plain RMSNorms. The blocks are llama's with post
+norms, so they decode on the native step.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import torch
 from powerinfer.config import RMS_NORM_EPS_KEY, ArchitectureDefaults, FFNActivation, ModelConfig, windowed_every
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.architecture import Architecture
-from powerinfer.models.base import DecoderLM
 from powerinfer.models.ffn import FFNOptions
-from powerinfer.models.layers import Attention, RMSNorm, RotaryEmbedding, SandwichBlock, attention_options, projection_builder
-from powerinfer.models.moe import layer_ffn
+from powerinfer.models.layers import AttentionOptions, RotaryEmbedding
+from powerinfer.models.llama import LlamaModel
 from powerinfer.models.tensors import rms_decoder_tensors
 from powerinfer.runtime.kv_cache import SeqSpan
 
@@ -29,26 +29,19 @@ LLAMA_CPP_LOCAL_ROPE_BASE = 10000.0
 LAYERS_OF_27B = 62  # whose queries llama.cpp scales by 1/sqrt(n_embd / n_head) (its query_pre_attn_scalar)
 
 
-class Gemma3Model(DecoderLM):
-    norm = RMSNorm
+class Gemma3Model(LlamaModel):
+    ROPE_INTERLEAVED = False
+    POST_NORMS = True
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig, n_ctx: int, options: FFNOptions = FFNOptions()):
-        rope = partial(RotaryEmbedding, config.head_dim, n_ctx, interleaved=False, rope_dim=config.rope_dim)
-        self.global_rope = rope(config.rope_freq_base, config.rope_scale)
-        self.local_rope = rope(config.rope_freq_base_swa or config.rope_freq_base)  # unscaled, as in llama.cpp
+        # the windowed layers' RoPE: their own base, unscaled, as in llama.cpp (the others: `self.rope`)
+        self.local_rope = RotaryEmbedding(config.head_dim, n_ctx, config.rope_freq_base_swa or config.rope_freq_base,
+                                          interleaved=False, rope_dim=config.rope_dim)
         self.embed_scale = config.n_embd**0.5
-        super().__init__(gguf, config, options)
+        super().__init__(gguf, config, n_ctx, options)
 
-    def build_block(self, gguf: GGUFFile, i: int, options: FFNOptions) -> SandwichBlock:
-        c = self.config
-        linear = projection_builder(gguf, options.float32)
-        options_i = attention_options(gguf, i, c)
-        attention = Attention(i, linear(*(f"blk.{i}.{n}.weight" for n in ("attn_q", "attn_k", "attn_v"))),
-                              linear(f"blk.{i}.attn_output.weight"), c.n_head, c.n_head_kv, c.head_dim,
-                              self.local_rope if options_i.window else self.global_rope, options_i)
-        norm = lambda name: RMSNorm.load(gguf, f"blk.{i}.{name}", c.norm_eps)  # noqa: E731
-        return SandwichBlock(norm("attn_norm"), attention, norm("post_attention_norm"), norm("ffn_norm"),
-                             layer_ffn(gguf, i, c, options), norm("post_ffw_norm"))
+    def layer_rope(self, options: AttentionOptions) -> RotaryEmbedding:
+        return self.local_rope if options.window else self.rope
 
     def embed(self, tokens: torch.Tensor, spans: list[SeqSpan]) -> torch.Tensor:
         return self.embedding(tokens).mul_(self.embed_scale)

@@ -22,8 +22,18 @@ import torch
 from powerinfer.models.ffn import MAX_SPARSE_ROWS, SparseFFN, union
 from powerinfer.ops.activation import activate
 from powerinfer.ops.linear import CPU, ConcatLinear, DenseLinear, Linear, pack_int4, q8_as_nibbles
-from powerinfer.ops.neuron import (RAW, NeuronStore, Section, accumulate_rows, dequantize_records, gather_matvec,
-                                   matvec_records, q4_section, q8_section, sparse_ffn)
+from powerinfer.ops.neuron import (
+    RAW,
+    NeuronStore,
+    Section,
+    accumulate_rows,
+    dequantize_records,
+    gather_matvec,
+    matvec_records,
+    q4_section,
+    q8_section,
+    sparse_ffn,
+)
 
 CHUNK_NEURONS = 4096  # records dequantized at a time (bounds temporaries)
 
@@ -79,7 +89,7 @@ class _SectionRows:
         self.shape = (records.shape[0], section.n_values)
 
     @staticmethod
-    def int4(source: "_SectionRows", start: int, end: int):
+    def int4(source: _SectionRows, start: int, end: int):
         rows = source.records[start:end]
         if source.section.bits == 4:
             return q4_section(rows, source.section)

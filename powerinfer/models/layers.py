@@ -123,12 +123,7 @@ class RotaryEmbedding:
         self.interleaved = interleaved
         self.head_dim = head_dim
 
-    @property
-    def is_plain(self) -> bool:
-        """Whether the native decode step can apply it: adjacent pairs over the whole head."""
-        return self.interleaved and self.rope_dim == self.head_dim
-
-    def to(self, device: torch.device) -> "RotaryEmbedding":
+    def to(self, device: torch.device) -> RotaryEmbedding:
         """The same rotations on `device` (a copy; self when already there)."""
         if self.rotations.device == device:
             return self
@@ -168,10 +163,6 @@ class AttentionOptions:
     window: int = 0
     scale: float = 0.0
     softcap: float = 0.0
-
-    @property
-    def is_plain(self) -> bool:
-        return self.qk_norm is None and not self.window and not self.scale and not self.softcap
 
     def to(self, device: torch.device) -> AttentionOptions:
         return dataclasses.replace(self, qk_norm=None if self.qk_norm is None else self.qk_norm.to(device))
@@ -321,39 +312,28 @@ class DecoderBlock:
 
 
 class Block(DecoderBlock):
-    """A pre-norm decoder block: x + attention(attn_norm(x)), then + ffn(ffn_norm(x)) (llama, OPT)."""
-
-    DENSE_PARTS = ("attn_norm", "attention", "ffn_norm")
-
-    def __init__(self, attn_norm, attention: Attention, ffn_norm, ffn):
-        super().__init__(ffn)
-        self.attn_norm, self.attention, self.ffn_norm = attn_norm, attention, ffn_norm
-
-    def __call__(self, x: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> torch.Tensor:
-        x = x.to(self.device)
-        x = x + self.attention(self.attn_norm(x), spans, cache)
-        if self.observer is not None:
-            return x.add_(observe_ffn(self, self.ffn_norm(x), x))
-        return x.add_(self.ffn(self.ffn_norm(x), x))
-
-
-class SandwichBlock(DecoderBlock):
-    """A block that also normalizes what attention and the FFN return before adding it (Gemma 3):
-    x + post_attention_norm(attention(attn_norm(x))), then + post_ffw_norm(ffn(ffn_norm(x)))."""
+    """A pre-norm decoder block: x + attention(attn_norm(x)), then + ffn(ffn_norm(x)) (llama, OPT).
+    With post norms (Gemma 3's sandwich) what attention and the FFN return is normalized before it
+    is added: x + post_attention_norm(attention(...)), then + post_ffw_norm(ffn(...))."""
 
     DENSE_PARTS = ("attn_norm", "attention", "post_attention_norm", "ffn_norm", "post_ffw_norm")
 
-    def __init__(self, attn_norm, attention: Attention, post_attention_norm, ffn_norm, ffn, post_ffw_norm):
+    def __init__(self, attn_norm, attention: Attention, ffn_norm, ffn, post_attention_norm=None, post_ffw_norm=None):
         super().__init__(ffn)
-        self.attn_norm, self.attention, self.post_attention_norm = attn_norm, attention, post_attention_norm
-        self.ffn_norm, self.post_ffw_norm = ffn_norm, post_ffw_norm
+        self.attn_norm, self.attention, self.ffn_norm = attn_norm, attention, ffn_norm
+        self.post_attention_norm, self.post_ffw_norm = post_attention_norm, post_ffw_norm
 
     def __call__(self, x: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> torch.Tensor:
         x = x.to(self.device)
-        x = x + self.post_attention_norm(self.attention(self.attn_norm(x), spans, cache).float())
+        x = x + _normalized(self.post_attention_norm, self.attention(self.attn_norm(x), spans, cache))
         h = self.ffn_norm(x)
         y = observe_ffn(self, h, x) if self.observer is not None else self.ffn(h, x)
-        return x.add_(self.post_ffw_norm(y.float()))
+        return x.add_(_normalized(self.post_ffw_norm, y))
+
+
+def _normalized(post_norm, y: torch.Tensor) -> torch.Tensor:
+    """y, through the post norm where the block has one."""
+    return y if post_norm is None else post_norm(y.float())
 
 
 def observe_ffn(block, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

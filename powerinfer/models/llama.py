@@ -13,22 +13,33 @@ from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.architecture import Architecture
 from powerinfer.models.base import DecoderLM
 from powerinfer.models.ffn import DenseFFN, FFNOptions
-from powerinfer.models.layers import Attention, Block, RMSNorm, RotaryEmbedding, attention_options, projection_builder
+from powerinfer.models.layers import (
+    Attention,
+    AttentionOptions,
+    Block,
+    RMSNorm,
+    RotaryEmbedding,
+    attention_options,
+    projection_builder,
+)
 from powerinfer.models.moe import layer_ffn
 from powerinfer.models.tensors import rms_decoder_tensors
 from powerinfer.ops import native
-from powerinfer.ops.linear import Int4Linear, Linear, QuantLinear, float_vector
+from powerinfer.ops.linear import BiasedLinear, Int4Linear, Linear, QuantLinear, float_vector
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
 
 
 class LlamaBlock(Block):
-    """A pre-norm block with RMSNorms and RoPE, and the native single-token step where it applies
-    (kept on the CPU, with quantized projections; an offloaded block runs the same torch code as
-    prefill, on whatever device holds it)."""
+    """A pre-norm block with RMSNorms and RoPE (post norms too for Gemma 3), and the native
+    single-token step where it applies (kept on the CPU, with quantized projections; an offloaded
+    block runs the same torch code as prefill, on whatever device holds it). The native step takes
+    every option of `Attention` (NeoX or partial RoPE, Q/K norms, QKV biases, windows, query
+    scale, soft-capped scores) and the post norms."""
 
-    def __init__(self, attn_norm: RMSNorm, attention: Attention, ffn_norm: RMSNorm, ffn):
+    def __init__(self, attn_norm: RMSNorm, attention: Attention, ffn_norm: RMSNorm, ffn,
+                 post_attention_norm: RMSNorm | None = None, post_ffw_norm: RMSNorm | None = None):
         self._step_stale = True
-        super().__init__(attn_norm, attention, ffn_norm, ffn)
+        super().__init__(attn_norm, attention, ffn_norm, ffn, post_attention_norm, post_ffw_norm)
 
     # The native step holds the block's weights: it is rebuilt when placement moves the block or
     # replaces its FFN.
@@ -68,15 +79,18 @@ class LlamaBlock(Block):
         return x
 
     def decode_rows(self, x: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache,
-                    rotations: torch.Tensor) -> torch.Tensor:
+                    rotations: dict[RotaryEmbedding, torch.Tensor]) -> torch.Tensor:
         """One token of each of several sequences (x [rows, d]): per row the same arithmetic as
-        `decode`, with the projections batched. rotations: RoPE at each row's position."""
+        `decode`, with the projections batched. rotations: RoPE at the rows' positions, by RoPE
+        (filled here on first use: the blocks of a step share them)."""
         if self.step is None or self.observer is not None:
             return self(x, spans, cache)
         x = x.cpu()
-        layer = self.attention.layer
+        layer, rope = self.attention.layer, self.attention.rope
+        if rope not in rotations:
+            rotations[rope] = rope.rotations[[s.start for s in spans]]
         self.step.attention_rows(x, cache.keys[layer], cache.values[layer], [s.slot for s in spans],
-                                 [s.start for s in spans], rotations)
+                                 [s.start for s in spans], rotations[rope])
         self._native_ffn(x)
         return x
 
@@ -84,24 +98,33 @@ class LlamaBlock(Block):
         if isinstance(self.ffn, DenseFFN):
             self.step.dense_ffn(x)
         else:
-            x.add_(self.ffn(self.step.ffn_input(x), x))
+            self.step.add_ffn_output(x, self.ffn(self.step.ffn_input(x), x))
 
     def _native_step(self):
         """The C++ single-token step, when the native build and this block's weights allow it."""
         ops = native.load()
         a = self.attention
-        projections = [a.qkv, a.output] + ([self.ffn.up, self.ffn.down] if isinstance(self.ffn, DenseFFN) else [])
-        if ops is None or not (a.rope.is_plain and a.options.is_plain) or \
-                not all(isinstance(p, (Int4Linear, QuantLinear)) for p in projections):
+        qkv, bias = (a.qkv.linear, a.qkv.bias) if isinstance(a.qkv, BiasedLinear) else (a.qkv, None)
+        dense = isinstance(self.ffn, DenseFFN)
+        projections = [qkv, a.output] + ([self.ffn.up, self.ffn.down] if dense else [])
+        if ops is None or not all(isinstance(p, (Int4Linear, QuantLinear)) for p in projections):
             return None
         project = lambda p: _native_projection(ops, p)  # noqa: E731
-        dense = isinstance(self.ffn, DenseFFN)
-        return ops.LlamaBlockStep(
-            self.attn_norm.scaled_weight, self.attn_norm.eps_term, project(a.qkv), project(a.output),
-            a.n_head, a.n_head_kv, self.ffn_norm.scaled_weight, self.ffn_norm.eps_term,
+        norm = lambda n: None if n is None else ops.RMSNorm(n.scaled_weight, n.eps_term)  # noqa: E731
+        return ops.BlockStep(
+            norm(self.attn_norm), project(qkv), project(a.output), _attention_spec(ops, a), norm(self.ffn_norm),
             project(self.ffn.up) if dense else None, project(self.ffn.down) if dense else None,
             native.activation(self.ffn.activation),
+            ops.BlockExtras(qkv_bias=bias, qk_norm=norm(a.options.qk_norm),
+                            post_attention_norm=norm(self.post_attention_norm), post_ffw_norm=norm(self.post_ffw_norm)),
         )
+
+
+def _attention_spec(ops, attention: Attention):
+    """What the native attention needs to know of `attention`'s RoPE and options."""
+    rope, o = attention.rope, attention.options
+    return ops.AttentionSpec(attention.n_head, attention.n_head_kv, rope.rope_dim, neox=not rope.interleaved,
+                             window=o.window, scale=o.scale, softcap=o.softcap)
 
 
 def _native_projection(ops, linear: Linear):
@@ -112,11 +135,13 @@ def _native_projection(ops, linear: Linear):
 
 
 class LlamaModel(DecoderLM):
-    """Llama blocks; subclasses change how RoPE pairs values (`ROPE_INTERLEAVED`) and which
-    tensors hold Q, K and V (`qkv_names`)."""
+    """Llama blocks; subclasses change how RoPE pairs values (`ROPE_INTERLEAVED`), which tensors
+    hold Q, K and V (`qkv_names`), which RoPE a layer uses (`layer_rope`) and whether blocks have
+    post norms (`POST_NORMS`)."""
 
     norm = RMSNorm
     ROPE_INTERLEAVED = True  # llama.cpp's converter permutes llama's Q and K rows for adjacent pairs
+    POST_NORMS = False  # post_attention_norm and post_ffw_norm in every block (Gemma 3)
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig, n_ctx: int, options: FFNOptions = FFNOptions()):
         self.rope = self.build_rope(gguf, config, n_ctx)
@@ -131,25 +156,30 @@ class LlamaModel(DecoderLM):
     def qkv_names(self, i: int) -> tuple[str, ...]:
         return tuple(f"blk.{i}.{name}.weight" for name in ("attn_q", "attn_k", "attn_v"))
 
+    def layer_rope(self, options: AttentionOptions) -> RotaryEmbedding:
+        """The RoPE of a layer with attention `options`."""
+        return self.rope
+
     def build_block(self, gguf: GGUFFile, i: int, options: FFNOptions) -> LlamaBlock:
         config = self.config
         linear = projection_builder(gguf, options.float32)
+        layer_options = attention_options(gguf, i, config)
         attention = Attention(i, linear(*self.qkv_names(i)), linear(f"blk.{i}.attn_output.weight"), config.n_head,
-                              config.n_head_kv, config.head_dim, self.rope, attention_options(gguf, i, config))
-        return LlamaBlock(RMSNorm.load(gguf, f"blk.{i}.attn_norm", config.norm_eps), attention,
-                          RMSNorm.load(gguf, f"blk.{i}.ffn_norm", config.norm_eps),
-                          layer_ffn(gguf, i, config, options))
+                              config.n_head_kv, config.head_dim, self.layer_rope(layer_options), layer_options)
+        norm = lambda name: RMSNorm.load(gguf, f"blk.{i}.{name}", config.norm_eps)  # noqa: E731
+        post_norms = (norm("post_attention_norm"), norm("post_ffw_norm")) if self.POST_NORMS else ()
+        return LlamaBlock(norm("attn_norm"), attention, norm("ffn_norm"), layer_ffn(gguf, i, config, options), *post_norms)
 
     def forward(self, tokens: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache,
                 which: Literal["all", "last"] = "last") -> torch.Tensor:
         if any(s.length > 1 for s in spans):
             return super().forward(tokens, spans, cache, which)
-        x = self.embedding(tokens)
+        x = self.embed(tokens, spans)
         if len(spans) == 1:
             for block in self.blocks:
                 x = block.decode(x, spans[0], cache)
         else:  # a decode step of several sequences
-            rotations = self.rope.rotations[[s.start for s in spans]]  # shared by all native steps
+            rotations: dict[RotaryEmbedding, torch.Tensor] = {}
             for block in self.blocks:
                 x = block.decode_rows(x, spans, cache, rotations)
         return self.logits(x, spans, which)

@@ -1,7 +1,7 @@
 """Phi-3 (and Phi-4-mini): llama blocks with Q, K and V in one tensor (attn_qkv) and the gate and
 up rows in one (ffn_up: gate rows first), NeoX RoPE over the first rope.dimension_count values of
 a head, LongRoPE frequency factors, and sliding-window attention on every layer when the file
-gives a window. They run the torch path."""
+gives a window. They decode on llama's native step, with its options."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Qwen2 (biases on Q, K and V) and Qwen3 (an RMSNorm per Q and K head before RoPE): llama blocks
 whose RoPE pairs the two halves of each head (GGML's NeoX mode: llama.cpp's converter leaves their
-Q and K rows as Hugging Face has them). They run the torch path; the native step is llama's."""
+Q and K rows as Hugging Face has them). They decode on llama's native step, with its options."""
 
 from __future__ import annotations
 

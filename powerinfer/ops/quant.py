@@ -15,10 +15,9 @@ T = GGMLQuantizationType
 
 FLOAT_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 # Kept in their blocks and computed on directly by the native kernels (the formats of
-# ops/csrc/ggml_blocks.h). Without them, INT4_TYPES map exactly onto torch's int4 kernel and the
-# others are expanded to bfloat16.
+# ops/csrc/ggml_blocks.h). Without them, Q4_0/Q4_1/Q8_0 map exactly onto torch's int4 kernel and
+# the others are expanded to bfloat16.
 BLOCK_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
-INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q8_0})
 SUPPORTED_TYPES = frozenset(FLOAT_TYPES) | BLOCK_TYPES
 
 QK = 32  # elements per block in Q4_0, Q4_1 and Q8_0

@@ -22,7 +22,7 @@ from powerinfer.config import ModelConfig
 from powerinfer.errors import PowerInferError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.moe import ffn_unit_tensors
-from powerinfer.placement.costs import GiB, DenseParts, ModelShape, Speeds, dense_ffn_bytes, dense_parts, model_shape
+from powerinfer.placement.costs import DenseParts, GiB, ModelShape, Speeds, dense_ffn_bytes, dense_parts, model_shape
 from powerinfer.placement.gpu_index import index_path, load_gpu_index, write_gpu_index
 from powerinfer.placement.solver import DEFAULT_GROUP_SIZE, Plan, plan_from_counts
 from powerinfer.placement.spec import DensePlacement, Placement, no_hot_neurons

@@ -19,7 +19,6 @@ from powerinfer.errors import PowerInferError
 from powerinfer.runtime.token_bytes import token_bytes
 from powerinfer.tokenizer import CONTROL, Tokenizer
 
-
 # JSON on one line with json.dumps' separators: what models see most, and a small model cannot
 # spin in whitespace until it runs out of tokens (flexible whitespace lets it).
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -69,7 +68,7 @@ class Constraint:
             raise GrammarError(f"unusable grammar: {self.matcher.get_error()}")
         self._words = np.zeros((n_vocab + 31) // 32, dtype=np.int32)  # one bit per token
 
-    def fork(self) -> "Constraint":
+    def fork(self) -> Constraint:
         """The same grammar from its start, for another sequence."""
         return Constraint(self.tokenizer, self.n_vocab, self.grammar)
 

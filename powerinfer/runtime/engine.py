@@ -58,7 +58,7 @@ class Engine:
     def decode(self, steps: Sequence[tuple[int, int]]) -> torch.Tensor:
         """Append one token to each (slot, token) and return their next-token logits [len(steps), n_vocab]."""
         spans = []
-        for slot, token in steps:
+        for slot, _ in steps:
             self._check_fits(len(self.slot_tokens[slot]) + 1)
             spans.append(SeqSpan(slot, len(self.slot_tokens[slot]), 1))
         logits = self.model.forward(torch.tensor([t for _, t in steps]), spans, self.cache)

@@ -3,7 +3,6 @@ strings, incremental text, and the log-probabilities of the tokens chosen."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -167,16 +166,14 @@ class GenerationSequence:
         self.constraint = constraint
         self._logprobs_taken = 0
         self.max_tokens = max_tokens if context_left is None else min(max_tokens, context_left)
-        self.length_limited_by_context = context_left is not None and context_left < max_tokens
         self.generated: list[int] = []
         self.text_parts: list[str] = []
         self.decoder = tokenizer.stream_decoder()
         self.stop = StopMatcher(stop)
         self.finish_reason: str | None = None if self.max_tokens > 0 else "length"
         self.timings = Timings(prompt_tokens=len(self.prompt))
-        self._started = time.perf_counter()
 
-    def fork(self, seed: int | None) -> "GenerationSequence":
+    def fork(self, seed: int | None) -> GenerationSequence:
         """Another sequence for the same prompt and settings (one of `n` choices), seeded with `seed`."""
         return GenerationSequence(self.prompt, self.tokenizer, replace(self.sampling, seed=seed), self.max_tokens,
                                   self.stops, self.context_left, self.logprobs_top,

@@ -13,20 +13,20 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Collection
-from importlib.metadata import version
-from typing import Any
 from contextlib import asynccontextmanager
+from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from powerinfer.errors import PowerInferError
-from powerinfer.llm import LLM
 from powerinfer.api import schemas
 from powerinfer.api.prepare import Prepared, prepare_chat, prepare_completion
 from powerinfer.api.replies import OpenAIReply, embedding_list
+from powerinfer.errors import PowerInferError
+from powerinfer.llm import LLM
 from powerinfer.runtime.scheduler import Scheduler
 from powerinfer.runtime.sequence import GenerationSequence
 from powerinfer.server.errors import APIError, install_handlers

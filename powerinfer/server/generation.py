@@ -33,7 +33,7 @@ class Mailbox:
         self.waking = False  # a hand-over is scheduled on the loop
 
     @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> "Mailbox":
+    def of(cls, loop: asyncio.AbstractEventLoop) -> Mailbox:
         box = _MAILBOXES.get(loop)
         if box is None:
             box = _MAILBOXES[loop] = cls(loop)
@@ -69,7 +69,7 @@ class Generation:
     loop's queue."""
 
     def __init__(self, scheduler: Scheduler, sequences: GenerationSequence | list[GenerationSequence],
-                 on_end: Callable[["Generation"], None] | None = None):
+                 on_end: Callable[[Generation], None] | None = None):
         mailbox = Mailbox.of(asyncio.get_running_loop())
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.request = Request(sequences, lambda event: mailbox.put(self.queue, event), mailbox.wake)

@@ -32,8 +32,8 @@ from tqdm import tqdm
 
 from powerinfer.errors import PowerInferError
 from powerinfer.models.base import CausalLM
-from powerinfer.runtime.engine import Engine
 from powerinfer.outputs import OwnedNames, atomic_directory
+from powerinfer.runtime.engine import Engine
 from powerinfer.sparsity.files import load_json, load_torch_file, numbered_files
 from powerinfer.sparsity.profiler import calibration_chunks, observe_ffn
 

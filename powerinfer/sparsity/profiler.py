@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 from powerinfer.errors import PowerInferError
 from powerinfer.models.base import CausalLM
-from powerinfer.runtime.engine import Engine
 from powerinfer.outputs import OwnedNames, atomic_directory
+from powerinfer.runtime.engine import Engine
 from powerinfer.sparsity.files import load_json, load_torch_file, numbered_files
 
 MIN_CALIBRATION_TOKENS = 1024
@@ -61,7 +61,7 @@ class ActivationProfile:
             (staging / "profile.json").write_text(json.dumps(meta, indent=1))
 
     @classmethod
-    def load(cls, directory: str | Path) -> "ActivationProfile":
+    def load(cls, directory: str | Path) -> ActivationProfile:
         """Read a profile directory (ours, or PowerInfer's activation/ without profile.json)."""
         directory = Path(directory)
         folder = directory / "activation" if (directory / "activation").is_dir() else directory

@@ -15,7 +15,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import torch
 
@@ -41,7 +41,7 @@ class BenchTest:
 class BenchResult:
     test: BenchTest
     seconds: list[float]  # one per repetition
-    started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    started: datetime = field(default_factory=lambda: datetime.now(UTC))
 
     @property
     def rates(self) -> list[float]:
@@ -92,7 +92,7 @@ def _time_generation(llm: LLM, n_gen: int) -> Callable[[], None]:
 def run_test(llm: LLM, test: BenchTest, repetitions: int, after_each: Callable[[], None] = lambda: None) -> BenchResult:
     """Time `test` `repetitions` times after one untimed warm-up run; `after_each` follows every run."""
     step = _time_prompt(llm, test.n_prompt) if test.n_prompt else _time_generation(llm, test.n_gen)
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     seconds = []
     for rep in range(repetitions + 1):
         begin = time.perf_counter()
@@ -163,7 +163,6 @@ def record(setup: BenchSetup, result: BenchResult) -> dict:
 class Report:
     """Prints results in one of llama-bench's formats as they come (JSON as one array at the end)."""
 
-    FORMATS = ("md", "csv", "json", "jsonl")
     SAMPLE_FIELDS = ("samples_ns", "samples_ts")  # JSON only, as in llama-bench's CSV
 
     def __init__(self, fmt: str, setup: BenchSetup, write: Callable[[str], None], backend: str = "CPU (torch)"):

@@ -2,8 +2,10 @@
 //
 // torch's scaled_dot_product_attention costs 10-25 us per call on CPU however small the problem;
 // a decode step called it for every row and layer. Here a step's rows go in one call: RoPE on the
-// q and k heads, k and v stored in each row's cache slot, then softmax(q K^T / sqrt(hd)) V for each
-// (row, q head), spread over the threads. Grouped KV heads: q head h reads KV head h / (n_head / n_kv).
+// q and k heads, k and v stored in each row's cache slot, then softmax(q K^T * scale) V for each
+// (row, q head) over the keys its window sees, spread over the threads (AttentionSpec, ops.h, says
+// which RoPE pairing, window, scale and score soft-cap). Grouped KV heads: q head h reads KV head
+// h / (n_head / n_kv).
 // Each (row, head) is computed the same way whichever rows share the call, so a row gets the same
 // bits alone or batched. Reference: Attention in powerinfer/models/layers.py (tests/test_models.py).
 #include <ATen/Parallel.h>
@@ -23,21 +25,35 @@
 
 namespace powerinfer {
 
-// One head for one query: out[hd] = softmax(q . K[j] * scale) V over keys j < n; K, V: rows of hd
-// floats; p: n floats of scratch.
-using HeadKernel = void (*)(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p,
-                            float* out);
+// One head for one query: out[hd] = softmax(cap(q . K[j] * scale)) V over keys j < n, where
+// cap(s) = softcap * tanh(s / softcap) (softcap 0: cap(s) = s); K, V: rows of hd floats; p: n floats
+// of scratch.
+using HeadKernel = void (*)(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale,
+                            float softcap, float* p, float* out);
 
 constexpr int64_t MAX_CHUNKS = 8;  // SIMD paths: head_dim up to 8 vectors, in registers
 
+namespace {
+
+// Soft-capped attention scores (Gemma 2's attn_logit_softcapping): tanh is not vectorized, a
+// model without the cap never calls it.
+inline float soft_capped(float score, float softcap) { return softcap * std::tanh(score / softcap); }
+
+void soft_cap_all(float* p, int64_t n, float softcap) {
+  for (int64_t j = 0; j < n; ++j) p[j] = soft_capped(p[j], softcap);
+}
+
+}  // namespace
+
 namespace scalar {
 
-void attend_head(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p, float* out) {
+void attend_head(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float softcap,
+                 float* p, float* out) {
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {
     float dot = 0.0f;
     for (int64_t d = 0; d < hd; ++d) dot += q[d] * K[j * hd + d];
-    p[j] = dot * scale;
+    p[j] = softcap ? soft_capped(dot * scale, softcap) : dot * scale;
     top = std::max(top, p[j]);
   }
   float sum = 0.0f;
@@ -127,9 +143,11 @@ void weighted_values(const float* p, const float* V, int64_t n, int64_t chunks, 
 }
 }  // namespace
 
-void attend_head(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p, float* out) {
-  if (hd % 16 != 0 || hd / 16 > MAX_CHUNKS) return scalar::attend_head(q, K, V, n, hd, scale, p, out);
+void attend_head(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float softcap,
+                 float* p, float* out) {
+  if (hd % 16 != 0 || hd / 16 > MAX_CHUNKS) return scalar::attend_head(q, K, V, n, hd, scale, softcap, p, out);
   scores(q, K, n, hd / 16, scale, p);
+  if (softcap) soft_cap_all(p, n, softcap);
   weighted_values(p, V, n, hd / 16, 1.0f / softmax_numerators(p, n), out);
 }
 
@@ -163,8 +181,9 @@ inline float horizontal_sum(__m256 v) {
 }  // namespace
 
 // head_dim = 8 * chunks, chunks <= 2 * MAX_CHUNKS
-void attend_head(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p, float* out) {
-  if (hd % 8 != 0 || hd / 8 > 2 * MAX_CHUNKS) return scalar::attend_head(q, K, V, n, hd, scale, p, out);
+void attend_head(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float softcap,
+                 float* p, float* out) {
+  if (hd % 8 != 0 || hd / 8 > 2 * MAX_CHUNKS) return scalar::attend_head(q, K, V, n, hd, scale, softcap, p, out);
   const int64_t chunks = hd / 8;
   __m256 qv[2 * MAX_CHUNKS];
   for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
@@ -172,7 +191,7 @@ void attend_head(const float* q, const float* K, const float* V, int64_t n, int6
   for (int64_t j = 0; j < n; ++j) {
     __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(K + j * hd));
     for (int64_t c = 1; c < chunks; ++c) acc = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(K + j * hd + 8 * c), acc);
-    p[j] = horizontal_sum(acc) * scale;
+    p[j] = softcap ? soft_capped(horizontal_sum(acc) * scale, softcap) : horizontal_sum(acc) * scale;
     top = std::max(top, p[j]);
   }
   __m256 total = _mm256_setzero_ps();
@@ -219,23 +238,31 @@ HeadKernel head_kernel() {
   }
 }
 
-// x (pairs of floats) *= rotation (cos, sin pairs), as complex numbers, for `pairs` pairs.
-void rotate(float* x, const float* rotation, int64_t pairs) {
+// RoPE on one head: pair i of its first rope_dim values (2i and 2i + 1, or with NeoX i and
+// i + rope_dim / 2) *= rotation i (cos, sin), as complex numbers.
+void rotate(float* x, const float* rotation, int64_t rope_dim, bool neox) {
+  const int64_t pairs = rope_dim / 2, step = neox ? 1 : 2, other = neox ? pairs : 1;
   for (int64_t i = 0; i < pairs; ++i) {
-    const float re = x[2 * i], im = x[2 * i + 1], c = rotation[2 * i], s = rotation[2 * i + 1];
-    x[2 * i] = re * c - im * s;
-    x[2 * i + 1] = re * s + im * c;
+    float& re = x[i * step];
+    float& im = x[i * step + other];
+    const float a = re, b = im, c = rotation[2 * i], s = rotation[2 * i + 1];
+    re = a * c - b * s;
+    im = a * s + b * c;
   }
 }
+
+// The first position a query at `pos` sees: fewer than `window` positions back (window 0: all).
+int64_t first_key(int64_t pos, int64_t window) { return window ? std::max<int64_t>(0, pos - window + 1) : 0; }
 
 }  // namespace
 
 // qkv: float32 [rows, (n_head + 2 n_kv) * hd], q heads then k heads then v heads (rotated in place);
-// keys, values: float32 [slots, n_kv, n_ctx, hd]; rotations: complex64 with rows * hd/2 elements
-// (each row's position). Returns float32 [rows, n_head * hd].
+// keys, values: float32 [slots, n_kv, n_ctx, hd]; rotations: complex64 with rows * rope_dim/2
+// elements (each row's position). Returns float32 [rows, n_head * hd].
 torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor keys, torch::Tensor values,
                                const std::vector<int64_t>& slots, const std::vector<int64_t>& positions,
-                               torch::Tensor rotations, int64_t n_head, int64_t n_kv) {
+                               torch::Tensor rotations, const AttentionSpec& spec) {
+  const int64_t n_head = spec.n_head, n_kv = spec.n_kv, rope_dim = spec.rope_dim;
   const int64_t rows = qkv.size(0), hd = keys.size(3), n_ctx = keys.size(2);
   TORCH_CHECK(qkv.dtype() == torch::kFloat32 && qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (n_head + 2 * n_kv) * hd,
               "qkv must be contiguous float32 [rows, (n_head + 2 n_kv) * head_dim]");
@@ -243,10 +270,12 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor keys, torch::Ten
     TORCH_CHECK(cache.dtype() == torch::kFloat32 && cache.dim() == 4 && cache.size(1) == n_kv && cache.stride(3) == 1 &&
                     cache.stride(2) == hd && cache.stride(1) == n_ctx * hd && cache.sizes() == keys.sizes(),
                 "caches must be float32 [slots, n_kv, n_ctx, head_dim] with contiguous slots");
-  TORCH_CHECK(n_head % n_kv == 0 && hd % 2 == 0, "n_head must be a multiple of n_kv, head_dim even");
+  TORCH_CHECK(n_kv > 0 && n_head % n_kv == 0, "n_head must be a multiple of n_kv");
+  TORCH_CHECK(rope_dim >= 0 && rope_dim <= hd && rope_dim % 2 == 0 && spec.window >= 0, "rope_dim: even, at most head_dim");
   TORCH_CHECK(static_cast<int64_t>(slots.size()) == rows && static_cast<int64_t>(positions.size()) == rows,
               "one slot and one position per row");
-  TORCH_CHECK(rotations.dtype() == torch::kComplexFloat && rotations.numel() == rows * hd / 2, "rotations: complex64, hd/2 per row");
+  TORCH_CHECK(rotations.dtype() == torch::kComplexFloat && rotations.numel() == rows * rope_dim / 2,
+              "rotations: complex64, rope_dim/2 per row");
   const auto rot = torch::view_as_real(rotations.contiguous()).contiguous();
   const float* rp = rot.data_ptr<float>();
   float* q = qkv.data_ptr<float>();
@@ -257,27 +286,27 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor keys, torch::Ten
   for (int64_t b = 0; b < rows; ++b) {
     TORCH_CHECK(slots[b] >= 0 && slots[b] < keys.size(0) && positions[b] >= 0 && positions[b] < n_ctx, "slot or position out of range");
     float* row = q + b * width;
-    for (int64_t h = 0; h < n_head + n_kv; ++h) rotate(row + h * hd, rp + b * hd, hd / 2);
+    for (int64_t h = 0; h < n_head + n_kv; ++h) rotate(row + h * hd, rp + b * rope_dim, rope_dim, spec.neox);
     for (int64_t g = 0; g < n_kv; ++g) {
       const int64_t at = g * n_ctx * hd + positions[b] * hd;
       std::copy_n(row + (n_head + g) * hd, hd, kc + slots[b] * keys.stride(0) + at);
       std::copy_n(row + (n_head + n_kv + g) * hd, hd, vc + slots[b] * values.stride(0) + at);
     }
-    work += n_head * (positions[b] + 1);
+    work += n_head * (positions[b] + 1 - first_key(positions[b], spec.window));
   }
   auto out = torch::empty({rows, n_head * hd}, qkv.options());
   float* o = out.data_ptr<float>();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float scale = spec.scale ? spec.scale : 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t tasks = rows * n_head;
   const HeadKernel attend_head = head_kernel();
   at::parallel_for(0, tasks, work < SERIAL_KEYS ? tasks : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / n_head, h = t % n_head, n = positions[b] + 1;
-      const int64_t kv = (h / group) * n_ctx * hd;
+      const int64_t b = t / n_head, h = t % n_head, first = first_key(positions[b], spec.window);
+      const int64_t n = positions[b] + 1 - first, kv = (h / group) * n_ctx * hd + first * hd;
       p.resize(n);
       attend_head(q + b * width + h * hd, kc + slots[b] * keys.stride(0) + kv, vc + slots[b] * values.stride(0) + kv, n, hd,
-                  scale, p.data(), o + b * n_head * hd + h * hd);
+                  scale, spec.softcap, p.data(), o + b * n_head * hd + h * hd);
     }
   });
   return out;

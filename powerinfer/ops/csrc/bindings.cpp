@@ -55,13 +55,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("in_features", &QuantProjection::in_features)
       .def_readonly("out_features", &QuantProjection::out_features);
 
-  py::class_<LlamaBlockStep>(m, "LlamaBlockStep")
-      .def(py::init<torch::Tensor, torch::Tensor, ProjectionPtr, ProjectionPtr, int64_t, int64_t, torch::Tensor,
-                    torch::Tensor, ProjectionPtr, ProjectionPtr, Activation>())
-      .def("attention", &LlamaBlockStep::attention, no_gil)
-      .def("attention_rows", &LlamaBlockStep::attention_rows, no_gil)
-      .def("dense_ffn", &LlamaBlockStep::dense_ffn, no_gil)
-      .def("ffn_input", &LlamaBlockStep::ffn_input, no_gil);
+  py::class_<AttentionSpec>(m, "AttentionSpec", "what decode_attention computes besides plain attention (ops.h)")
+      .def(py::init([](int64_t n_head, int64_t n_kv, int64_t rope_dim, bool neox, int64_t window, float scale, float softcap) {
+             return AttentionSpec{n_head, n_kv, rope_dim, neox, window, scale, softcap};
+           }),
+           py::arg("n_head"), py::arg("n_kv"), py::arg("rope_dim"), py::kw_only(), py::arg("neox") = false,
+           py::arg("window") = 0, py::arg("scale") = 0.0f, py::arg("softcap") = 0.0f);
+
+  py::class_<RMSNorm>(m, "RMSNorm", "Python's RMSNorm (its scaled_weight and eps_term) as the decode step applies it")
+      .def(py::init<torch::Tensor, torch::Tensor>())
+      .def("__call__", &RMSNorm::operator(), no_gil);
+
+  py::class_<BlockExtras>(m, "BlockExtras", "what a block has besides llama's (decode_step.h)")
+      .def(py::init([](std::optional<torch::Tensor> qkv_bias, std::optional<RMSNorm> qk_norm,
+                       std::optional<RMSNorm> post_attention_norm, std::optional<RMSNorm> post_ffw_norm) {
+             return BlockExtras{std::move(qkv_bias), std::move(qk_norm), std::move(post_attention_norm), std::move(post_ffw_norm)};
+           }),
+           py::kw_only(), py::arg("qkv_bias") = py::none(), py::arg("qk_norm") = py::none(),
+           py::arg("post_attention_norm") = py::none(), py::arg("post_ffw_norm") = py::none());
+
+  py::class_<BlockStep>(m, "BlockStep")
+      .def(py::init<RMSNorm, ProjectionPtr, ProjectionPtr, AttentionSpec, RMSNorm, ProjectionPtr, ProjectionPtr, Activation,
+                    BlockExtras>(),
+           py::arg("attn_norm"), py::arg("qkv"), py::arg("output"), py::arg("spec"), py::arg("ffn_norm"), py::arg("up"),
+           py::arg("down"), py::arg("activation"), py::arg("extras"))
+      .def("attention", &BlockStep::attention, no_gil)
+      .def("attention_rows", &BlockStep::attention_rows, no_gil)
+      .def("dense_ffn", &BlockStep::dense_ffn, no_gil)
+      .def("ffn_input", &BlockStep::ffn_input, no_gil)
+      .def("add_ffn_output", &BlockStep::add_ffn_output, no_gil);
 
   m.def("decode_attention", &decode_attention, "one new token per row: RoPE, store k/v, attend over each row's cache slot", no_gil);
   m.def("gather_matvec", &gather_matvec, "y[m, j] = dot(section of record idx[j], x[m])", no_gil);

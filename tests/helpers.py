@@ -1,0 +1,127 @@
+"""Helpers the test modules share (fixtures live in conftest.py): running the CLI, reading its
+errors, engines over small models, random tensors and neuron stores, reading PowerInfer GGUFs back."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, quants
+
+from powerinfer.gguf import open_gguf
+from powerinfer.gguf.reader import PWRI_MAGIC, GGUFTensor
+from powerinfer.models import load_model, read_config
+from powerinfer.models.ffn import FFNOptions
+from powerinfer.ops import neuron as N
+from powerinfer.placement.costs import dense_parts, model_shape
+from powerinfer.placement.gpu_index import index_path, write_gpu_index
+from powerinfer.placement.solver import Plan
+from powerinfer.runtime.engine import Engine
+
+from conftest import quantized_rows
+
+# the quantized types of GGUF blocks our kernels and neuron records keep compact
+BLOCK_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+# ---------------------------------------------------------------- the command line
+
+def powerinfer(*args: str, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "powerinfer.cli", *args], capture_output=True, text=True,
+                          input=stdin, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+# ---------------------------------------------------------------- engines and logits
+
+def engine(path, n_ctx: int = 128, **options) -> Engine:
+    """An engine over the model at `path`, built with FFNOptions(**options)."""
+    return Engine(load_model(open_gguf(path), n_ctx, FFNOptions(**options)), n_ctx)
+
+
+def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    logits = engine.prefill(0, prompt)
+    out = []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = engine.decode([(0, out[-1])])[0]
+    return out
+
+
+def decode_logits(e: Engine, ids: list[int], prompt: int = 6) -> torch.Tensor:
+    """Logits of a `prompt`-token prefill, then of one decode step per remaining id."""
+    rows = [e.prefill(0, ids[:prompt])]
+    rows += [e.decode([(0, t)])[0] for t in ids[prompt:]]
+    return torch.stack(rows)
+
+
+def decode_and_prefill_logits(model, ids: list[int], n_ctx: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decode logits after a 4-token prompt, logits of one prefill of all ids: the dense path)."""
+    e = Engine(model, n_ctx)
+    rows = [e.prefill(0, ids[:4])] + [e.decode([(0, t)])[0] for t in ids[4:]]
+    return torch.stack(rows), Engine(model, n_ctx).all_logits(ids)
+
+
+def reference_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+# ---------------------------------------------------------------- placement
+
+def place_everything(path: Path, accelerator: str = "cpu", n_ctx: int = 64) -> float:
+    """Write a GPU index putting every neuron on an accelerator of type `accelerator`; return a
+    budget (GiB) that covers it and all dense parts."""
+    gguf = open_gguf(path)
+    config = read_config(gguf)
+    shape = model_shape(gguf, config, accelerator)
+    write_gpu_index(index_path(path), Plan(tuple(np.arange(n, dtype=np.int32) for n in shape.n_ff), shape.n_ff,
+                                           shape.ffn_bytes, shape.ffn_bytes, None, None, None, None))
+    return (dense_parts(gguf, config, n_ctx).total + shape.ffn_bytes) / 2**30
+
+
+# ---------------------------------------------------------------- random tensors and neuron stores
+
+def random_tensor(rng, rows, cols, ggml_type) -> tuple[GGUFTensor, torch.Tensor]:
+    """A [rows, cols] tensor of `ggml_type` with random values, and its float32 dequantization."""
+    if ggml_type in BLOCK_TYPES:
+        t = quantized_rows(ggml_type, rows, cols, int(rng.integers(2**16)))
+        return t, torch.from_numpy(quants.dequantize(t.data, ggml_type).astype(np.float32))
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    raw = w if ggml_type == T.F32 else w.astype(np.float16)
+    return GGUFTensor("w", ggml_type, (rows, cols), raw), torch.from_numpy(raw.astype(np.float32))
+
+
+def random_store(seed, ggml_type, n_ff, d_in, d_out, gated=True):
+    """A NeuronStore of random gate (when `gated`), up and transposed down rows, and their float32 weights."""
+    rng = np.random.default_rng(seed)
+    (g, gw), (u, uw), (dt, dw) = (random_tensor(rng, n_ff, d_in, ggml_type), random_tensor(rng, n_ff, d_in, ggml_type),
+                                  random_tensor(rng, n_ff, d_out, ggml_type))
+    return N.NeuronStore(g if gated else None, u, dt), (gw if gated else None, uw, dw)
+
+
+# ---------------------------------------------------------------- files
+
+def read_back_powerinfer_gguf(path: Path, tmp_path: Path) -> GGUFReader:
+    """The file as the `gguf` package reads it (PWRI magic patched to GGUF's on a copy)."""
+    copy = tmp_path / f"{path.name}.copy"
+    shutil.copy(path, copy)
+    with open(path, "rb") as f:
+        assert int.from_bytes(f.read(4), "little") == PWRI_MAGIC
+    with open(copy, "r+b") as f:
+        f.write(b"GGUF")
+    return GGUFReader(copy)
