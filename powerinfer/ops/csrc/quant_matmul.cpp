@@ -66,19 +66,28 @@ torch::Tensor quant_repack(const torch::Tensor& raw, int64_t type) {
   return out;
 }
 
-PreparedInput prepare_input(const float* x, int64_t M, int64_t K) {
-  PreparedInput p{M, K, std::vector<uint16_t>(M * K), std::vector<float>(M * K), std::vector<float>(M * K / QK_SUB),
-                  std::vector<float>(M * K / QK)};
-  for (int64_t i = 0; i < M * K; ++i) {
-    p.bf16[i] = bf16_bits(x[i]);
-    p.f32[i] = bf16_value(p.bf16[i]);
-  }
-  for (int64_t g = 0; g < M * K / QK_SUB; ++g) {
-    float sum = 0.0f;
-    for (int64_t k = 0; k < QK_SUB; ++k) sum += p.f32[g * QK_SUB + k];
-    p.sum16[g] = sum;
-  }
-  for (int64_t g = 0; g < M * K / QK; ++g) p.sum32[g] = p.sum16[2 * g] + p.sum16[2 * g + 1];
+PreparedInput prepare_input(const float* x, int64_t M, int64_t K, Isa isa) {
+  const bool pairs = isa == Isa::AVX512;
+  const int64_t G = std::min(M, TASK_ROWS), groups = (M + G - 1) / G;
+  PreparedInput p{M, K, G, std::vector<uint32_t>(pairs ? groups * G * K / 2 : 0), std::vector<float>(pairs ? 0 : M * K),
+                  std::vector<float>(M * K / QK_SUB), std::vector<float>(M * K / QK)};
+  // Groups of rows in parallel: at prefill (hundreds of rows) a serial pass would cost a good part
+  // of what the products do.
+  at::parallel_for(0, groups, std::max<int64_t>(1, 16384 / (G * K)), [&](int64_t begin, int64_t end) {
+    const int64_t m0 = begin * G, m1 = std::min(M, end * G);
+#ifdef POWERINFER_X86
+    if (pairs) avx512::prepare_rows(x, m0, m1, p);
+#endif
+    for (int64_t g = m0 * K / QK_SUB; g < m1 * K / QK_SUB && !pairs; ++g) {
+      float sum = 0.0f;
+      for (int64_t i = g * QK_SUB; i < (g + 1) * QK_SUB; ++i) {
+        p.f32[i] = bf16_value(bf16_bits(x[i]));
+        sum += p.f32[i];
+      }
+      p.sum16[g] = sum;
+    }
+    for (int64_t g = m0 * K / QK; g < m1 * K / QK; ++g) p.sum32[g] = p.sum16[2 * g] + p.sum16[2 * g + 1];
+  });
   return p;
 }
 
@@ -187,7 +196,8 @@ torch::Tensor QuantProjection::operator()(const torch::Tensor& x) const {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "x must be [rows, ", in_features, "]");
   const auto xf = x.to(torch::kFloat32).contiguous();
   const int64_t M = xf.size(0);
-  const PreparedInput input = prepare_input(xf.data_ptr<float>(), M, in_features);
+  const Isa isa = active_isa();
+  const PreparedInput input = prepare_input(xf.data_ptr<float>(), M, in_features, isa);
   auto out = torch::empty({M, out_features}, xf.options());
   std::vector<PackedMatrix> matrices;
   std::vector<int64_t> first_task;  // per matrix: its first task; tasks: (output block, row block)
@@ -200,7 +210,7 @@ torch::Tensor QuantProjection::operator()(const torch::Tensor& x) const {
     tasks += chunks[i].size(0) * row_blocks;
     column += rows[i];
   }
-  const OutputBlockKernel kernel = kernel_for(active_isa());
+  const OutputBlockKernel kernel = kernel_for(isa);
   float* y = out.data_ptr<float>();
   at::parallel_for(0, tasks, 0, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {

@@ -65,15 +65,19 @@ struct PackedMatrix {
   int64_t rows, column;
 };
 
-// x rounded to bfloat16 (as bits, and as float32), and the float32 sum of every 16 and every 32
-// inputs of each row.
+// x prepared for the kernels: the float32 sum of every 16 and every 32 of each row's inputs
+// rounded to bfloat16, and the rounded inputs. For the AVX-512 kernel they are bfloat16 pairs
+// (inputs 2k, 2k + 1 in one uint32, the even one low) with the rows of each group of G =
+// min(M, TASK_ROWS) interleaved, pairs[((m / G) * K / 2 + k) * G + m % G]: the rows a kernel call
+// broadcasts for one pair are adjacent, reached from one pointer (eight row pointers spilled
+// registers in its inner loop); for the others float32 rows.
 struct PreparedInput {
-  int64_t M, K;
-  std::vector<uint16_t> bf16;
+  int64_t M, K, G;
+  std::vector<uint32_t> pairs;
   std::vector<float> f32, sum16, sum32;
 };
 
-PreparedInput prepare_input(const float* x, int64_t M, int64_t K);
+PreparedInput prepare_input(const float* x, int64_t M, int64_t K, Isa isa);
 
 // out[m0 + r, column + 16 nb + o] for rows r < rows (<= TASK_ROWS), outputs o < cols of output block nb.
 using OutputBlockKernel = void (*)(const PackedMatrix& w, int64_t nb, const PreparedInput& x, int64_t m0, int rows,
@@ -81,6 +85,9 @@ using OutputBlockKernel = void (*)(const PackedMatrix& w, int64_t nb, const Prep
 
 namespace scalar { void quant_output_block(const PackedMatrix&, int64_t, const PreparedInput&, int64_t, int, float*, int64_t, int); }
 namespace avx2 { void quant_output_block(const PackedMatrix&, int64_t, const PreparedInput&, int64_t, int, float*, int64_t, int); }
-namespace avx512 { void quant_output_block(const PackedMatrix&, int64_t, const PreparedInput&, int64_t, int, float*, int64_t, int); }
+namespace avx512 {
+void quant_output_block(const PackedMatrix&, int64_t, const PreparedInput&, int64_t, int, float*, int64_t, int);
+void prepare_rows(const float* x, int64_t m_begin, int64_t m_end, PreparedInput& p);  // pairs and sum16 of these rows
+}
 
 }  // namespace powerinfer

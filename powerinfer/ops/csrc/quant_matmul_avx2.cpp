@@ -95,7 +95,7 @@ void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, int
   __m256 w[PAIRS][HALVES][2];
   for (int64_t b = 0; b < n_blocks; ++b) {
     const uint8_t* chunk = chunks + b * L.bytes;
-    prefetch(chunk + PREFETCH_CHUNKS * L.bytes, L.bytes);
+    if (m0 < TASK_ROWS) prefetch(chunk + PREFETCH_CHUNKS * L.bytes, L.bytes);  // later row blocks find the weights in cache
     for (int64_t j = 0; j < n_sub; ++j) {
       for (int64_t p = 0; p < PAIRS; ++p) pair_weights<TYPE>(chunk, j * PAIRS + p, w[p]);
       const int64_t s = b * n_sub + j, k = b * F.n + j * F.sub;

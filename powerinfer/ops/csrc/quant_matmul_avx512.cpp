@@ -63,13 +63,14 @@ void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, flo
   constexpr bool BIASED = L.low_bits != 8;  // weights are 128 + q
   constexpr float SUM_FACTOR = -((BIASED ? 128.0f : 0.0f) + (BIASED ? F.offset : 0));
   const int64_t K = x.K, n_blocks = K / F.n, n_sub = F.n_sub();
-  const auto* pairs = reinterpret_cast<const uint32_t*>(x.bf16.data()) + m0 * (K / 2);
+  const int64_t G = x.G;
+  const uint32_t* pairs = x.pairs.data() + (m0 / G) * G * (K / 2) + m0 % G;
   const float* sums = (F.sub == QK_SUB ? x.sum16 : x.sum32).data() + m0 * (K / F.sub);
   __m512 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < n_blocks; ++b) {
     const uint8_t* chunk = chunks + b * L.bytes;
-    prefetch(chunk + PREFETCH_CHUNKS * L.bytes, L.bytes);
+    if (m0 < TASK_ROWS) prefetch(chunk + PREFETCH_CHUNKS * L.bytes, L.bytes);  // later row blocks find the weights in cache
     const __m512 d = half_vector(chunk + L.d);
     const __m512 dmin = F.has_min ? half_vector(chunk + L.dmin) : _mm512_setzero_ps();
     for (int64_t j = 0; j < n_sub; ++j) {
@@ -77,9 +78,9 @@ void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, flo
       for (int r = 0; r < ROWS; ++r) dot[r] = _mm512_setzero_ps();
       for (int64_t p = j * F.sub / 2; p < (j + 1) * F.sub / 2; ++p) {
         const __m512bh w = reinterpret_cast<__m512bh>(pair_weights<TYPE>(chunk, p));
-        const int64_t k2 = b * F.n / 2 + p;
+        const uint32_t* rows = pairs + (b * F.n / 2 + p) * G;
         for (int r = 0; r < ROWS; ++r)
-          dot[r] = _mm512_dpbf16_ps(dot[r], w, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pairs[r * (K / 2) + k2]))));
+          dot[r] = _mm512_dpbf16_ps(dot[r], w, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(rows[r]))));
       }
       __m512 dsc = d, min = dmin;  // per output: d sc, and dmin mn
       if constexpr (F.sub_scales) {
@@ -120,6 +121,21 @@ void output_block_rows(const uint8_t* chunks, const PreparedInput& x, int64_t m0
 }
 
 }  // namespace
+
+void prepare_rows(const float* x, int64_t m_begin, int64_t m_end, PreparedInput& p) {
+  const int64_t K = p.K, G = p.G;
+  for (int64_t m = m_begin; m < m_end; ++m) {
+    uint32_t* lane = p.pairs.data() + (m / G) * G * (K / 2) + m % G;
+    for (int64_t k = 0; k < K; k += QK_SUB) {
+      const __m256i rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + m * K + k)));
+      alignas(32) uint32_t two[QK_SUB / 2];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(two), rounded);
+      for (int64_t i = 0; i < QK_SUB / 2; ++i) lane[(k / 2 + i) * G] = two[i];
+      const __m512 values = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+      p.sum16[(m * K + k) / QK_SUB] = _mm512_reduce_add_ps(values);
+    }
+  }
+}
 
 void quant_output_block(const PackedMatrix& w, int64_t nb, const PreparedInput& x, int64_t m0, int rows, float* out,
                         int64_t ldc, int cols) {
