@@ -80,6 +80,10 @@ class GGUFTensor:
         """The data as a [rows, bytes_per_row] uint8 array, whatever its type."""
         return self.data.view(np.uint8).reshape(self.shape[0] if len(self.shape) > 1 else 1, -1)
 
+    def rows(self, start: int, end: int) -> GGUFTensor:
+        """Rows start..end of a matrix, as a tensor of its own (a view of the same bytes)."""
+        return GGUFTensor(f"{self.name}[{start}:{end}]", self.ggml_type, (end - start, *self.shape[1:]), self.data[start:end])
+
 
 class GGUFFile:
     """A GGUF or PowerInfer GGUF file: metadata as Python values, tensors mapped rather than read."""

@@ -111,8 +111,7 @@ class FFNTensors:
 def halves(tensor: GGUFTensor) -> tuple[GGUFTensor, GGUFTensor]:
     """The first and second half of a matrix's rows, as tensors of their own (views of the file)."""
     n = tensor.shape[0] // 2
-    return tuple(GGUFTensor(f"{tensor.name}[{a}:{b}]", tensor.ggml_type, (n, *tensor.shape[1:]), tensor.data[a:b])
-                 for a, b in ((0, n), (n, 2 * n)))
+    return tensor.rows(0, n), tensor.rows(n, 2 * n)
 
 
 def expert_matrix(tensor: GGUFTensor, expert: int) -> GGUFTensor:

@@ -89,7 +89,7 @@ def projection_builder(gguf: GGUFFile, float32: bool) -> Callable[..., Linear]:
 
     def linear(*names: str) -> Linear:
         tensors = [gguf.tensor(n) for n in names]
-        layer = build_linear(tensors, float32)
+        layer = build_linear(tensors, float32, release_pages=gguf.release_pages)
         biases = [gguf.tensors.get(n.removesuffix(".weight") + ".bias") for n in names]
         if all(b is None for b in biases):
             return layer

@@ -236,12 +236,31 @@ class QuantLinear(Linear):
         return sum(chunks.nbytes for chunks in self.projection.chunks)
 
 
-def pack_quant(tensors: Sequence[GGUFTensor]) -> QuantLinear:
+# A tensor larger than this is repacked in slices of rows, so that the file pages it is read from
+# can be dropped as it goes (a tied 262k-token output head is ~180 MB: otherwise both copies at once).
+REPACK_SLICE_BYTES = 32 << 20
+
+
+def pack_quant(tensors: Sequence[GGUFTensor], release_pages: Callable[[], None] | None = None) -> QuantLinear:
     """The rows of block-type `tensors` (stacked; types may differ, as in a Q4_K_M file's fused
-    projections) repacked for QuantLinear, one packed matrix per tensor."""
+    projections) repacked for QuantLinear, one packed matrix per tensor, or per slice of rows of
+    a large one when `release_pages` (which drops the mapped file's pages) is given."""
     ops = quant_kernel()
-    packed = [ops.quant_repack(mapped_tensor(t.rows_as_bytes()), int(t.ggml_type)) for t in tensors]
-    return QuantLinear(ops.QuantProjection(packed, [int(t.ggml_type) for t in tensors], [t.shape[0] for t in tensors]))
+    parts = [part for t in tensors for part in _repack_slices(t, ops.QUANT_COLS)] if release_pages else list(tensors)
+    packed = []
+    for part in parts:
+        packed.append(ops.quant_repack(mapped_tensor(part.rows_as_bytes()), int(part.ggml_type)))
+        if len(parts) > len(tensors):
+            release_pages()
+    return QuantLinear(ops.QuantProjection(packed, [int(t.ggml_type) for t in parts], [t.shape[0] for t in parts]))
+
+
+def _repack_slices(tensor: GGUFTensor, row_multiple: int) -> list[GGUFTensor]:
+    """`tensor` as slices of at most about REPACK_SLICE_BYTES, each a whole number of packed row
+    blocks (so the packed slices hold exactly the bytes of the whole tensor packed at once)."""
+    n = tensor.shape[0]
+    rows = max(row_multiple, REPACK_SLICE_BYTES // (tensor.n_bytes // n) // row_multiple * row_multiple)
+    return [tensor.rows(a, min(a + rows, n)) for a in range(0, n, rows)] if n > rows else [tensor]
 
 
 class ConcatLinear(Linear):
@@ -308,7 +327,8 @@ def _dense_weight(tensor: GGUFTensor) -> torch.Tensor:
     return dequantized(tensor).to(torch.bfloat16)
 
 
-def build_linear(tensors: Sequence[GGUFTensor], float32: bool = False, device: torch.device | None = None) -> Linear:
+def build_linear(tensors: Sequence[GGUFTensor], float32: bool = False, device: torch.device | None = None,
+                 release_pages: Callable[[], None] | None = None) -> Linear:
     """One linear layer from one or more GGUF weight tensors [out, in] that share their input.
 
     `device` None keeps the weights on the CPU with the fastest CPU kernel; a device given (an
@@ -316,13 +336,15 @@ def build_linear(tensors: Sequence[GGUFTensor], float32: bool = False, device: t
     the placement cost model counts.
 
     `float32` dequantizes everything to float32: the exact reference mode (several times the memory).
+    `release_pages` drops the mapped file's pages: given, a large tensor is repacked a slice at a time.
     """
-    layer = _build_linear(tensors, float32, device)
+    layer = _build_linear(tensors, float32, device, release_pages)
     layer.sources = tuple(tensors)
     return layer
 
 
-def _build_linear(tensors: Sequence[GGUFTensor], float32: bool, device: torch.device | None) -> Linear:
+def _build_linear(tensors: Sequence[GGUFTensor], float32: bool, device: torch.device | None,
+                  release_pages: Callable[[], None] | None) -> Linear:
     if float32:
         return DenseLinear(torch.cat([dequantized(t) for t in tensors]).to(device))
     types = {t.ggml_type for t in tensors}
@@ -330,7 +352,7 @@ def _build_linear(tensors: Sequence[GGUFTensor], float32: bool, device: torch.de
     ops = quant_kernel()
     # On CPUs without AVX2 our kernel is plain C++, slower than torch's int4 kernel where that fits.
     if device is None and types <= BLOCK_TYPES and ops is not None and not (int4_exact and ops.detected_isa() == "scalar"):
-        return pack_quant(tensors)
+        return pack_quant(tensors, release_pages)
     if int4_exact:
         return pack_int4(tensors, _q8_rows if types == {T.Q8_0} else _q4_rows, input_repeats=2 if types == {T.Q8_0} else 1,
                          device=device)
