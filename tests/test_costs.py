@@ -1,5 +1,5 @@
 """The placement cost model's byte counts against the objects they count: each figure in
-powerinfer/placement/costs.py equals the bytes that the layout it names actually allocates, for
+powerinfer/placement/costs.py (derived from the layouts: ops.linear.int4_shapes, neuron records) equals the bytes actually allocated, for
 every weight type, so the model cannot drift from build_linear and the neuron store."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from gguf import GGMLQuantizationType as T
 
 from powerinfer.config import FFNActivation
 from powerinfer.models.ffn import FFNTensors
-from powerinfer.ops.linear import build_linear
-from powerinfer.placement.costs import linear_bytes, neuron_record_bytes
+from powerinfer.ops.linear import build_linear, device_linear_bytes
+from powerinfer.placement.costs import neuron_record_bytes
 
 from helpers import BLOCK_TYPES, random_tensor
 
@@ -29,12 +29,12 @@ def tensors(seed: int, ggml_type: T, rows: list[int], cols: int):
 @pytest.mark.parametrize("rows", [[40], [64, 24], [100]])  # not multiples of the packing tiles
 def test_projection_bytes_are_what_build_linear_allocates(ggml_type, rows):
     weights = tensors(1, ggml_type, rows, 256)
-    assert linear_bytes(weights) == build_linear(weights, device=CPU).nbytes
+    assert device_linear_bytes(weights) == build_linear(weights, device=CPU).nbytes
 
 
 def test_mixed_type_projection_bytes():
     weights = tensors(2, T.Q4_K, [32], 256) + tensors(3, T.Q6_K, [32], 256) + tensors(4, T.Q8_0, [16], 256)
-    assert linear_bytes(weights) == build_linear(weights, device=CPU).nbytes
+    assert device_linear_bytes(weights) == build_linear(weights, device=CPU).nbytes
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)

@@ -81,6 +81,10 @@ class FFNTensors:
     def n_ff(self) -> int:
         return self.up.shape[0]
 
+    @property
+    def n_embd(self) -> int:
+        return self.down.shape[1] if self.transposed else self.down.shape[0]
+
     def dense(self, float32: bool = False) -> DenseFFN:
         up = build_linear([self.gate, self.up] if self.gate is not None else [self.up], float32)
         if self.up_bias is not None:
@@ -102,10 +106,17 @@ class FFNTensors:
         if self.transposed:
             return self.down
         rows = dequantized(self.down).T.contiguous()
-        if self.down.ggml_type in FLOAT_TYPES:
+        if self.down_rows_type == T.F32:
             return rows
         name = self.down.name.replace("ffn_down", "ffn_down_t")
-        return GGUFTensor(name, T.Q8_0, tuple(rows.shape), quants.quantize(rows.numpy(), T.Q8_0))
+        return GGUFTensor(name, self.down_rows_type, tuple(rows.shape), quants.quantize(rows.numpy(), self.down_rows_type))
+
+    @property
+    def down_rows_type(self) -> T:
+        """The type of `down_rows()`."""
+        if self.transposed:
+            return self.down.ggml_type
+        return T.F32 if self.down.ggml_type in FLOAT_TYPES else T.Q8_0
 
 
 def halves(tensor: GGUFTensor) -> tuple[GGUFTensor, GGUFTensor]:

@@ -21,6 +21,7 @@ Weights placed on an accelerator go to torch's int4 GPU kernel (`_weight_int4pac
 
 from __future__ import annotations
 
+import math
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -170,6 +171,17 @@ class Int4Linear(Linear):
         return self.packed.nbytes + self.scale_zero.nbytes
 
 
+INT4_SCALE_DTYPE = torch.bfloat16
+
+
+def int4_shapes(n_rows: int, n_cols: int) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """What `pack_int4` allocates for n_rows x n_cols weights: nibbles uint8 [padded rows, cols/2]
+    (rows padded to a whole block of 64) and scale and offset [cols/32, padded rows, 2] (torch's
+    CUDA packing keeps the nibbles' byte count)."""
+    padded = n_rows + (-n_rows % PACK_BLOCK_N)
+    return (padded, n_cols // 2), (n_cols // QK, padded, 2)
+
+
 NibbleRows = Callable[[GGUFTensor, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 PACK_CHUNK_ROWS = 4096  # rows repacked at a time (a multiple of 64): bounds the temporaries
 
@@ -196,9 +208,10 @@ def pack_int4(tensors: Sequence[GGUFTensor], nibble_rows: NibbleRows, input_repe
     cuda = device is not None and device.type == "cuda"
     n_rows = sum(t.shape[0] for t in tensors)
     n_cols = tensors[0].shape[1] * input_repeats
-    padded_rows = n_rows + (-n_rows % PACK_BLOCK_N)
-    packed = torch.empty(padded_rows, n_cols // 2, dtype=torch.uint8)
-    scale_zero = torch.empty(n_cols // QK, padded_rows, 2, dtype=torch.bfloat16)
+    packed_shape, scale_zero_shape = int4_shapes(n_rows, n_cols)
+    padded_rows = packed_shape[0]
+    packed = torch.empty(packed_shape, dtype=torch.uint8)
+    scale_zero = torch.empty(scale_zero_shape, dtype=INT4_SCALE_DTYPE)
     for start in range(0, padded_rows, PACK_CHUNK_ROWS):
         end = min(start + PACK_CHUNK_ROWS, padded_rows)
         nibbles, scale, offset = _stacked_rows(tensors, nibble_rows, start, min(end, n_rows))
@@ -324,7 +337,7 @@ def _q8_rows(tensor: GGUFTensor, start: int, end: int) -> tuple[torch.Tensor, to
 def _dense_weight(tensor: GGUFTensor) -> torch.Tensor:
     if tensor.ggml_type in FLOAT_TYPES:
         return mapped_tensor(tensor.data).reshape(tensor.shape).clone()
-    return dequantized(tensor).to(torch.bfloat16)
+    return dequantized(tensor).to(_dense_dtype(tensor.ggml_type))
 
 
 def build_linear(tensors: Sequence[GGUFTensor], float32: bool = False, device: torch.device | None = None,
@@ -343,19 +356,61 @@ def build_linear(tensors: Sequence[GGUFTensor], float32: bool = False, device: t
     return layer
 
 
-def _build_linear(tensors: Sequence[GGUFTensor], float32: bool, device: torch.device | None,
-                  release_pages: Callable[[], None] | None) -> Linear:
+def _layout(tensors: Sequence[GGUFTensor], float32: bool, device: torch.device | None) -> str:
+    """Which layout `build_linear` gives `tensors`: "float32", "quant" (our kernel), "int4",
+    "dense" (float types as stored, other block types expanded to bfloat16) or "concat" (mixed
+    types, one layer each)."""
     if float32:
-        return DenseLinear(torch.cat([dequantized(t) for t in tensors]).to(device))
+        return "float32"
     types = {t.ggml_type for t in tensors}
-    int4_exact = types <= {T.Q4_0, T.Q4_1} or types == {T.Q8_0}
     ops = quant_kernel()
     # On CPUs without AVX2 our kernel is plain C++, slower than torch's int4 kernel where that fits.
-    if device is None and types <= BLOCK_TYPES and ops is not None and not (int4_exact and ops.detected_isa() == "scalar"):
+    if device is None and types <= BLOCK_TYPES and ops is not None and not (_int4_exact(types) and ops.detected_isa() == "scalar"):
+        return "quant"
+    if _int4_exact(types):
+        return "int4"
+    if len(types) == 1 and (types <= FLOAT_TYPES.keys() or types <= BLOCK_TYPES):
+        return "dense"
+    return "concat"
+
+
+def _int4_exact(types: set[T]) -> bool:
+    return types <= {T.Q4_0, T.Q4_1} or types == {T.Q8_0}
+
+
+def _int4_input_repeats(types: set[T]) -> int:
+    return 2 if types == {T.Q8_0} else 1  # Q8_0: two nibble matrices side by side
+
+
+def _dense_dtype(ggml_type: T) -> torch.dtype:
+    return FLOAT_TYPES.get(ggml_type, torch.bfloat16)
+
+
+def _build_linear(tensors: Sequence[GGUFTensor], float32: bool, device: torch.device | None,
+                  release_pages: Callable[[], None] | None) -> Linear:
+    layout, types = _layout(tensors, float32, device), {t.ggml_type for t in tensors}
+    if layout == "float32":
+        return DenseLinear(torch.cat([dequantized(t) for t in tensors]).to(device))
+    if layout == "quant":
         return pack_quant(tensors, release_pages)
-    if int4_exact:
-        return pack_int4(tensors, _q8_rows if types == {T.Q8_0} else _q4_rows, input_repeats=2 if types == {T.Q8_0} else 1,
-                         device=device)
-    if len(types) == 1 and (types <= FLOAT_TYPES.keys() or types <= BLOCK_TYPES):  # the latter expanded
+    if layout == "int4":
+        return pack_int4(tensors, _q8_rows if types == {T.Q8_0} else _q4_rows, _int4_input_repeats(types), device)
+    if layout == "dense":
         return DenseLinear(torch.cat([_dense_weight(t) for t in tensors]).to(device))
     return ConcatLinear([build_linear([t], device=device) for t in tensors])
+
+
+def device_linear_bytes(tensors: Sequence[GGUFTensor], n_rows: int | None = None) -> int:
+    """Bytes of the layer `build_linear(tensors, device=...)` allocates on an accelerator, from the
+    tensors' types and shapes alone (no weights read): the placement cost model's figure. `n_rows`
+    counts that many rows instead of the tensors' (per-row bytes of a neuron's rows: no padding)."""
+    layout, types = _layout(tensors, False, CPU), {t.ggml_type for t in tensors}
+    rows, n_cols = n_rows or sum(t.shape[0] for t in tensors), tensors[0].shape[1]
+    if layout == "int4":
+        packed, scale_zero = int4_shapes(rows, n_cols * _int4_input_repeats(types))
+        if n_rows is not None:  # a row's share, not a whole block of 64
+            packed, scale_zero = (rows, packed[1]), (scale_zero[0], rows, 2)
+        return math.prod(packed) + math.prod(scale_zero) * INT4_SCALE_DTYPE.itemsize
+    if layout == "dense":
+        return rows * n_cols * _dense_dtype(tensors[0].ggml_type).itemsize
+    return sum(device_linear_bytes([t]) for t in tensors)

@@ -6,7 +6,6 @@ Everything here is read from a GGUF file's tensor table (no weights are touched)
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,13 +14,12 @@ from powerinfer.config import ModelConfig
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
 from powerinfer.models.ffn import FFNTensors
 from powerinfer.models.moe import ffn_unit_tensors
-from powerinfer.ops.linear import PACK_BLOCK_N
+from powerinfer.ops.linear import device_linear_bytes
 from powerinfer.ops.neuron import RECORD_ALIGN, record_row_bytes
-from powerinfer.ops.quant import FLOAT_TYPES, QK, T
+from powerinfer.ops.quant import FLOAT_TYPES
 
 GiB = 1 << 30
 KV_BYTES_PER_VALUE = 2  # the accelerator holds its KV cache in float16
-INT4_GROUP_BYTES = QK // 2 + 4  # the int4 kernels: 32 nibbles, a bfloat16 scale and a bfloat16 offset
 # weights and biases stay with the CPU store; so do a mixture of experts' experts and router
 FFN_NEURON_PARTS = ("ffn_gate", "ffn_up", "ffn_down", "ffn_down_t", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
                     "ffn_gate_inp")
@@ -59,56 +57,30 @@ class ModelShape:
         return sum(n * b for n, b in zip(self.n_ff, self.neuron_bytes))
 
 
-def _projection_row_bytes(ggml_type: T, n_values: int) -> int:
-    """Bytes of one output row of a projection as `build_linear` holds it: the int4 kernels' layout
-    (per 32 values 16 bytes of nibbles, a bfloat16 scale and offset) for Q4_0/Q4_1, twice that for
-    Q8_0 (two nibble matrices), float types as stored, other types expanded to bfloat16."""
-    if ggml_type in (T.Q4_0, T.Q4_1, T.Q8_0):
-        return n_values // QK * INT4_GROUP_BYTES * (2 if ggml_type == T.Q8_0 else 1)
-    if ggml_type in FLOAT_TYPES:
-        return n_values * FLOAT_TYPES[ggml_type].itemsize
-    return 2 * n_values
-
-
-def linear_bytes(tensors: Sequence[GGUFTensor]) -> int:
-    """Bytes of the projection `build_linear` makes from `tensors` [out, in] (stacked outputs):
-    int4 layers pad their rows to a whole block; mixed types are kept as separate layers."""
-    types = {t.ggml_type for t in tensors}
-    if len(types) > 1 and not types <= {T.Q4_0, T.Q4_1}:
-        return sum(linear_bytes([t]) for t in tensors)
-    rows, first = sum(t.shape[0] for t in tensors), tensors[0]
-    if first.ggml_type in (T.Q4_0, T.Q4_1, T.Q8_0):
-        rows += -rows % PACK_BLOCK_N
-    return rows * _projection_row_bytes(first.ggml_type, first.shape[1])
-
-
 def neuron_record_bytes(ffn: FFNTensors) -> int:
-    rows = [ffn.gate, ffn.up] if ffn.gate is not None else [ffn.up]
-    total = sum(record_row_bytes(t.ggml_type, t.shape[1]) for t in rows)
-    down = ffn.down
-    if ffn.transposed:
-        total += record_row_bytes(down.ggml_type, down.shape[1])
-    else:  # ffn_down transposed: float32 for float files, else re-encoded as Q8_0 (`ffn.down_rows`)
-        total += record_row_bytes(T.F32 if down.ggml_type in FLOAT_TYPES else T.Q8_0, down.shape[0])
+    """Bytes of one neuron's record in the neuron store: its gate, up and down rows, aligned."""
+    rows = [(t.ggml_type, t.shape[1]) for t in ([ffn.gate, ffn.up] if ffn.gate is not None else [ffn.up])]
+    rows.append((ffn.down_rows_type, ffn.n_embd))
+    total = sum(record_row_bytes(ggml_type, n_values) for ggml_type, n_values in rows)
     return -(-total // RECORD_ALIGN) * RECORD_ALIGN
 
 
 def neuron_kernel_bytes(ffn: FFNTensors) -> int:
     """Bytes of one neuron as a CUDA accelerator holds it (`runtime.hybrid.KernelNeurons`): its gate
-    and up rows as projection rows, its down row in float16 (float32 for float files)."""
+    and up rows as projection rows (float rows as float32), its down row in float16 (float32 for
+    float files)."""
     rows = [ffn.gate, ffn.up] if ffn.gate is not None else [ffn.up]
     float_down = ffn.down.ggml_type in FLOAT_TYPES
-    n_embd = ffn.down.shape[1] if ffn.transposed else ffn.down.shape[0]
-    as_held = lambda t: T.F32 if t.ggml_type in FLOAT_TYPES else t.ggml_type  # noqa: E731  (records hold floats as float32)
-    return sum(_projection_row_bytes(as_held(t), t.shape[1]) for t in rows) + n_embd * (4 if float_down else 2)
+    return (sum(4 * t.shape[1] if t.ggml_type in FLOAT_TYPES else device_linear_bytes([t], n_rows=1) for t in rows)
+            + ffn.n_embd * (4 if float_down else 2))
 
 
 def dense_ffn_bytes(ffn: FFNTensors) -> int:
     """Bytes of an FFN as dense projections on an accelerator (`FFNTensors.dense`, moved whole by
     layer offload): gate and up stacked, and the down projection (from PowerInfer's transposed
     ffn_down_t: float32)."""
-    up = linear_bytes([ffn.gate, ffn.up] if ffn.gate is not None else [ffn.up])
-    return up + (ffn.down.n_elements * 4 if ffn.transposed else linear_bytes([ffn.down]))
+    up = device_linear_bytes([ffn.gate, ffn.up] if ffn.gate is not None else [ffn.up])
+    return up + (ffn.down.n_elements * 4 if ffn.transposed else device_linear_bytes([ffn.down]))
 
 
 def model_shape(gguf: GGUFFile, config: ModelConfig, accelerator: str = "cpu") -> ModelShape:
@@ -149,10 +121,10 @@ def dense_parts(gguf: GGUFFile, config: ModelConfig, n_ctx: int, n_slots: int = 
         projections = [[tensors.pop(f"{p}.weight") for p in group if f"{p}.weight" in tensors]
                        for group in ATTENTION_PROJECTIONS]
         rest = [t for name, t in tensors.items() if name.split(".")[0] not in FFN_NEURON_PARTS]
-        layers.append(sum(linear_bytes(g) for g in projections if g) + sum(_vector_bytes(t) for t in rest) + kv)
+        layers.append(sum(device_linear_bytes(g) for g in projections if g) + sum(_vector_bytes(t) for t in rest) + kv)
     output = gguf.tensor("output.weight" if "output.weight" in gguf.tensors else "token_embd.weight")
     norms = [t for name, t in gguf.tensors.items() if name.startswith("output_norm.")]
-    return DenseParts(tuple(layers), linear_bytes([output]) + sum(_vector_bytes(t) for t in norms))
+    return DenseParts(tuple(layers), device_linear_bytes([output]) + sum(_vector_bytes(t) for t in norms))
 
 
 def measure_cpu_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
