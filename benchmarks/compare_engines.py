@@ -5,8 +5,10 @@ RSS is its own); the controller interleaves their repetitions so machine noise h
 
     .venv/bin/python benchmarks/compare_engines.py            # installs llama-cpp-python if missing
     .venv/bin/python benchmarks/compare_engines.py --engines powerinfer llama.cpp
+    .venv/bin/python benchmarks/compare_engines.py --model gemma3-270m --engines powerinfer llama.cpp
 
-Writes benchmarks/results/dense_engines.md (linked from the README).
+Writes benchmarks/results/dense_engines.md (linked from the README) for the default model, else
+benchmarks/results/dense_engines_<model file stem>.md.
 """
 
 from __future__ import annotations
@@ -14,16 +16,24 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from common import LLAMA_CPP_PYTHON, ROOT, ensure_llama_cpp, machine_description, wikitext
+from common import (
+    LLAMA_CPP_PYTHON,
+    MODEL_NAMES,
+    ROOT,
+    benchmark_model,
+    ensure_llama_cpp,
+    machine_description,
+    peak_rss,
+    wikitext,
+)
 
-RESULTS = ROOT / "benchmarks" / "results" / "dense_engines.md"
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 # ---------------------------------------------------------------- workers (one engine each)
@@ -123,8 +133,7 @@ def worker_main(engine: str, model: str, threads: int, n_ctx: int) -> None:
         else:
             worker.decode(request["tokens"])
         seconds = time.perf_counter() - started
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        print(json.dumps({"seconds": seconds, "peak_rss": peak}), flush=True)
+        print(json.dumps({"seconds": seconds, "peak_rss": peak_rss()}), flush=True)
 
 
 # ---------------------------------------------------------------- controller
@@ -159,7 +168,7 @@ class Engine:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    parser.add_argument("--model", default=None, help=f"GGUF file, or one of {', '.join(MODEL_NAMES)} (default: smollm2)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--n-prompt", type=int, default=512)
     parser.add_argument("--n-gen", type=int, default=128)
@@ -168,12 +177,10 @@ def main() -> None:
     parser.add_argument("--sparse-model", help="PowerInfer GGUF with predictors for the powerinfer-sparse engine")
     parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--n-ctx", type=int, default=1024, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, help="results file (default: by model, under benchmarks/results)")
     args = parser.parse_args()
-    if args.model is None:
-        from powerinfer.hub import pull_default_model
-
-        args.model = str(pull_default_model())
+    named = args.model
+    args.model = str(benchmark_model(args.model))
     if args.worker:
         worker_main(args.worker, args.model, args.threads, args.n_ctx)
         return
@@ -182,6 +189,8 @@ def main() -> None:
 
     if "powerinfer-sparse" in args.engines and not args.sparse_model:
         parser.error("the powerinfer-sparse engine needs --sparse-model")
+    default_out = RESULTS / ("dense_engines.md" if named in (None, "smollm2") else f"dense_engines_{Path(args.model).stem}.md")
+    out = args.out or default_out
     from powerinfer import LLM
 
     # Real text (wikitext-2 test), so that predictors see the kind of input they were trained for.
@@ -229,13 +238,17 @@ def main() -> None:
         "",
         table,
         "",
-        f"Command: `.venv/bin/python benchmarks/compare_engines.py --threads {args.threads} --reps {args.reps} "
+        f"Command: `.venv/bin/python benchmarks/compare_engines.py{f' --model {named}' if named else ''} "
+        f"--threads {args.threads} --reps {args.reps} "
         f"--engines {' '.join(args.engines)}{' --sparse-model FILE' if args.sparse_model else ''}"
-        f"{'' if args.out == RESULTS else f' --out {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}'}`",
+        f"{'' if out == default_out else f' --out {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}'}`",
+        "",
+        "Peak RSS: each worker's VmHWM (its own high-water mark since it started its program; with",
+        "getrusage, a worker started by fork + exec also counted the controller's resident set).",
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(report) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(report) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

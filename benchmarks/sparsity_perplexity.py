@@ -21,62 +21,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
-import json
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from common import ROOT, ensure_llama_cpp, machine_description, wikitext
+from common import ROOT, Measured, ensure_llama_cpp, llama_cpp_logits, machine_description, run_perplexity, wikitext
 
 RESULTS = ROOT / "benchmarks" / "results" / "sparsity_perplexity.md"
 PLOT = ROOT / "docs" / "sparsity_perplexity.png"
 N_CTX = 512
-
-
-@dataclass
-class Measured:
-    ppl: float
-    error: float
-
-
-def run_perplexity(logits_of: Callable[[], Callable], chunks, label: str, cache: Path | None) -> Measured:
-    """Perplexity over `chunks` with the logits function `logits_of()` makes; with `cache`, a row
-    measured before on the same chunks is read back (so a long run can be done in parts)."""
-    from powerinfer.tools.perplexity import perplexity
-
-    saved = None
-    if cache is not None:
-        digest = hashlib.sha256(json.dumps(chunks).encode()).hexdigest()[:16]
-        saved = cache / f"{label.replace(' ', '_').replace('%', 'pct')}-{digest}.json"
-        if saved.exists():
-            print(f"{label}: measured before ({saved})", file=sys.stderr)
-            return Measured(**json.loads(saved.read_text()))
-    *_, result = tqdm(perplexity(logits_of(), chunks), total=len(chunks), desc=label, unit="chunk", file=sys.stderr)
-    measured = Measured(result.ppl, result.error)
-    if saved is not None:
-        cache.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps(asdict(measured)))
-    return measured
-
-
-def llama_cpp_logits(model: str, threads: int):
-    import llama_cpp
-    import numpy as np
-
-    llm = llama_cpp.Llama(model, n_ctx=N_CTX, n_batch=N_CTX, n_threads=threads, n_threads_batch=threads,
-                          logits_all=True, verbose=False)
-
-    def logits_of(ids: list[int]) -> torch.Tensor:
-        llm.reset()
-        llm.eval(ids)
-        return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
-
-    return logits_of
 
 
 def measured_sparsity(llm, chunks) -> float:
@@ -141,7 +96,7 @@ def main() -> int:
     if (base := measure("dense", "dense", ours(dense))) is not None:
         rows.append(("dense", None, 0.0, base.ppl, base.error))
     llama_threads = args.llama_cpp_threads or args.threads
-    if (reference := measure("llama.cpp", "llama.cpp", lambda: llama_cpp_logits(model, llama_threads))) is not None:
+    if (reference := measure("llama.cpp", "llama.cpp", lambda: llama_cpp_logits(model, llama_threads, N_CTX))) is not None:
         rows.append(("llama.cpp dense", None, 0.0, reference.ppl, reference.error))
 
     calibration_ids = dense.tokenize(wikitext("valid.txt"), add_bos=False)
