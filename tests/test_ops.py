@@ -27,6 +27,8 @@ from powerinfer.ops.linear import (
 )
 from powerinfer.ops.quant import dequantize_rows
 
+from helpers import random_tensor
+
 
 def random_matrix(rows: int, cols: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
@@ -115,3 +117,19 @@ def test_stacked_tensors_pack_in_chunks_like_one_matrix(monkeypatch):
     assert chunked.shape == (2, 209) and torch.equal(chunked, whole)
     expected = x @ torch.cat([torch.from_numpy(quants.dequantize(t.data, T.Q4_1)) for t in tensors]).T
     assert (whole.float() - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+@pytest.mark.skipif(quant_kernel() is None, reason="needs the native module")
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_K, T.Q6_K])
+def test_repacking_in_slices_gives_the_same_layer(ggml_type):
+    """A tensor over REPACK_SLICE_BYTES is repacked a slice of rows at a time (its file pages
+    dropped after each): the same bytes, the same products, bit for bit."""
+    tensor, _ = random_tensor(np.random.default_rng(7), 200, 256, ggml_type)
+    whole = build_linear([tensor])
+    released = []
+    with mock.patch.object(linear_module, "REPACK_SLICE_BYTES", tensor.n_bytes // 5):
+        sliced = build_linear([tensor], release_pages=lambda: released.append(True))
+    assert len(sliced.projection.chunks) > 1 and len(released) == len(sliced.projection.chunks)
+    assert sliced.nbytes == whole.nbytes
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(sliced(x), whole(x))
