@@ -26,6 +26,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from functools import cache, reduce
+from typing import Literal
 
 import numpy as np
 import torch
@@ -356,7 +357,10 @@ def build_linear(tensors: Sequence[GGUFTensor], float32: bool = False, device: t
     return layer
 
 
-def _layout(tensors: Sequence[GGUFTensor], float32: bool, device: torch.device | None) -> str:
+Layout = Literal["float32", "quant", "int4", "dense", "concat"]
+
+
+def _layout(tensors: Sequence[GGUFTensor], float32: bool, device: torch.device | None) -> Layout:
     """Which layout `build_linear` gives `tensors`: "float32", "quant" (our kernel), "int4",
     "dense" (float types as stored, other block types expanded to bfloat16) or "concat" (mixed
     types, one layer each)."""
