@@ -1,6 +1,7 @@
 """The placement cost model's byte counts against the objects they count: each figure in
-powerinfer/placement/costs.py (derived from the layouts: ops.linear.int4_shapes, neuron records) equals the bytes actually allocated, for
-every weight type, so the model cannot drift from build_linear and the neuron store."""
+powerinfer/placement/costs.py (derived from the layouts: ops.linear.int4_shapes, the neuron
+records) equals the bytes actually allocated, for every weight type, so the model cannot drift
+from build_linear and the neuron store."""
 
 from __future__ import annotations
 

@@ -175,11 +175,11 @@ class Int4Linear(Linear):
 INT4_SCALE_DTYPE = torch.bfloat16
 
 
-def int4_shapes(n_rows: int, n_cols: int) -> tuple[tuple[int, int], tuple[int, int, int]]:
+def int4_shapes(n_rows: int, n_cols: int, pad: bool = True) -> tuple[tuple[int, int], tuple[int, int, int]]:
     """What `pack_int4` allocates for n_rows x n_cols weights: nibbles uint8 [padded rows, cols/2]
-    (rows padded to a whole block of 64) and scale and offset [cols/32, padded rows, 2] (torch's
-    CUDA packing keeps the nibbles' byte count)."""
-    padded = n_rows + (-n_rows % PACK_BLOCK_N)
+    (rows padded to a whole block of 64 unless not `pad`) and scale and offset [cols/32, padded
+    rows, 2] (torch's CUDA packing keeps the nibbles' byte count)."""
+    padded = n_rows + (-n_rows % PACK_BLOCK_N if pad else 0)
     return (padded, n_cols // 2), (n_cols // QK, padded, 2)
 
 
@@ -261,10 +261,10 @@ def pack_quant(tensors: Sequence[GGUFTensor], release_pages: Callable[[], None] 
     a large one when `release_pages` (which drops the mapped file's pages) is given."""
     ops = quant_kernel()
     parts = [part for t in tensors for part in _repack_slices(t, ops.QUANT_COLS)] if release_pages else list(tensors)
-    packed = []
+    sliced, packed = len(parts) > len(tensors), []
     for part in parts:
         packed.append(ops.quant_repack(mapped_tensor(part.rows_as_bytes()), int(part.ggml_type)))
-        if len(parts) > len(tensors):
+        if sliced:
             release_pages()
     return QuantLinear(ops.QuantProjection(packed, [int(t.ggml_type) for t in parts], [t.shape[0] for t in parts]))
 
@@ -411,9 +411,8 @@ def device_linear_bytes(tensors: Sequence[GGUFTensor], n_rows: int | None = None
     layout, types = _layout(tensors, False, CPU), {t.ggml_type for t in tensors}
     rows, n_cols = n_rows or sum(t.shape[0] for t in tensors), tensors[0].shape[1]
     if layout == "int4":
-        packed, scale_zero = int4_shapes(rows, n_cols * _int4_input_repeats(types))
-        if n_rows is not None:  # a row's share, not a whole block of 64
-            packed, scale_zero = (rows, packed[1]), (scale_zero[0], rows, 2)
+        # n_rows given: those rows' share, not a whole block of 64
+        packed, scale_zero = int4_shapes(rows, n_cols * _int4_input_repeats(types), pad=n_rows is None)
         return math.prod(packed) + math.prod(scale_zero) * INT4_SCALE_DTYPE.itemsize
     if layout == "dense":
         return rows * n_cols * _dense_dtype(tensors[0].ggml_type).itemsize

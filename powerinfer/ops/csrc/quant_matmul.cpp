@@ -75,16 +75,19 @@ PreparedInput prepare_input(const float* x, int64_t M, int64_t K, Isa isa) {
   // of what the products do.
   at::parallel_for(0, groups, std::max<int64_t>(1, 16384 / (G * K)), [&](int64_t begin, int64_t end) {
     const int64_t m0 = begin * G, m1 = std::min(M, end * G);
+    if (pairs) {
 #ifdef POWERINFER_X86
-    if (pairs) avx512::prepare_rows(x, m0, m1, p);
+      avx512::prepare_rows(x, m0, m1, p);
 #endif
-    for (int64_t g = m0 * K / QK_SUB; g < m1 * K / QK_SUB && !pairs; ++g) {
-      float sum = 0.0f;
-      for (int64_t i = g * QK_SUB; i < (g + 1) * QK_SUB; ++i) {
-        p.f32[i] = bf16_value(bf16_bits(x[i]));
-        sum += p.f32[i];
+    } else {
+      for (int64_t g = m0 * K / QK_SUB; g < m1 * K / QK_SUB; ++g) {
+        float sum = 0.0f;
+        for (int64_t i = g * QK_SUB; i < (g + 1) * QK_SUB; ++i) {
+          p.f32[i] = bf16_value(bf16_bits(x[i]));
+          sum += p.f32[i];
+        }
+        p.sum16[g] = sum;
       }
-      p.sum16[g] = sum;
     }
     for (int64_t g = m0 * K / QK; g < m1 * K / QK; ++g) p.sum32[g] = p.sum16[2 * g] + p.sum16[2 * g + 1];
   });
