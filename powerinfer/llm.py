@@ -91,6 +91,7 @@ class LLM:
         gguf = open_gguf(self.path)
         self.config = read_config(gguf)  # rejects unsupported architectures before any work
         self.tokenizer = Tokenizer.from_gguf(gguf)
+        gguf.drop_metadata("tokenizer.ggml.")  # the vocabulary is the tokenizer's now
         self.n_ctx = n_ctx or min(DEFAULT_N_CTX, self.config.n_ctx_train)
         self.n_batch = n_batch
         if self.n_ctx < 1:
@@ -104,7 +105,7 @@ class LLM:
         self.placement = self._placement(gguf, parallel, vram_budget, n_gpu_layers, gpu_index, activations,
                                          accelerator) if placed else None
         options = FFNOptions(sparsity, dtype == "float32", tuple(thresholds) if thresholds is not None else None)
-        self.model = load_model(gguf, self.n_ctx, options)
+        self.model = load_model(gguf, self.n_ctx, options, self.config)
         if self.placement is not None:
             from powerinfer.placement.apply import apply_placement
 

@@ -107,6 +107,13 @@ class GGUFFile:
             raise ModelFileError(f"{self.path}: metadata key {key!r} is missing")
         return value
 
+    def drop_metadata(self, prefix: str) -> None:
+        """Forget the metadata keys starting with `prefix` (a vocabulary once a tokenizer holds it:
+        tens of MB of Python strings that would otherwise stay resident while the weights load)."""
+        for key in [key for key in self.metadata if key.startswith(prefix)]:
+            del self.metadata[key]
+            self.value_types.pop(key, None)
+
     def tensor(self, name: str) -> GGUFTensor:
         try:
             return self.tensors[name]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 
+from powerinfer.config import ModelConfig
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.base import CausalLM, DecoderLM
@@ -24,11 +25,13 @@ def check_tensor_types(gguf: GGUFFile) -> None:
             raise UnsupportedModelError(f"{gguf.path}: unsupported tensor type {tensor.ggml_type.name} ({tensor.name})")
 
 
-def load_model(gguf: GGUFFile, n_ctx: int, options: FFNOptions = FFNOptions()) -> DecoderLM:
+def load_model(gguf: GGUFFile, n_ctx: int, options: FFNOptions = FFNOptions(),
+               config: ModelConfig | None = None) -> DecoderLM:
     """Build the model a GGUF file describes, on the CPU (`options`: sparsity mode, float32
-    reference mode), after checking every tensor it reads against its configuration."""
+    reference mode), after checking every tensor it reads against its configuration (`config`:
+    the one read from this file before, when its metadata has since been dropped)."""
     arch = architecture_of(gguf)
-    config = read_config(gguf)
+    config = config or read_config(gguf)
     check_tensor_types(gguf)
     arch.tensors(config).check(gguf)
     model = arch.model(gguf, config, n_ctx, options)
