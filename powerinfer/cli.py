@@ -108,6 +108,8 @@ def add_model_options(parser: argparse.ArgumentParser, ctx: bool = True, sparsit
                         help="layers to offload to the GPU, as in llama.cpp (without a CUDA device: everything runs on the CPU)")
     parser.add_argument("--dtype", choices=["auto", "float32"], default="auto",
                         help="auto: compact weights on fast kernels; float32: dequantize everything (exact, slow)")
+    parser.add_argument("-ctk", "--cache-type", choices=["f16", "f32"],
+                        help="KV cache type in CPU memory (default: f16, as llama.cpp; f32 with --dtype float32)")
     if sparsity:
         parser.add_argument("--sparsity", choices=["auto", "off", "oracle"], default="auto",
                             help="auto: compute only the FFN neurons the file's predictors expect to fire (dense without "

@@ -18,6 +18,7 @@ from powerinfer.models import load_model, read_config
 from powerinfer.models.ffn import FFNOptions, SparsityMode
 from powerinfer.runtime.constraint import Constraint
 from powerinfer.runtime.engine import Engine
+from powerinfer.runtime.kv_cache import CACHE_TYPES, CacheType
 from powerinfer.runtime.sampling import SamplingParams
 from powerinfer.runtime.sequence import Completion, GenerationSequence
 from powerinfer.tokenizer import Tokenizer
@@ -52,6 +53,8 @@ class LLM:
     `model` is a path to a GGUF or PowerInfer GGUF file, or None for the default model (fetched on
     first use). `dtype="float32"` dequantizes all weights to float32: exact arithmetic for checking
     against reference implementations, at several times the memory and a fraction of the speed.
+    `cache_type`: what the KV cache holds in CPU memory, "f16" (llama.cpp's default; half the memory)
+    or "f32" (the default with dtype="float32"); an accelerator's cache is float16.
 
     `sparsity`: "auto" computes only the FFN neurons the model's predictors expect to fire (dense
     when the file has no predictors); "off" computes all of them; "oracle" computes every activation
@@ -75,9 +78,12 @@ class LLM:
                  sparsity: SparsityMode = "auto", thresholds: Sequence[float] | None = None,
                  vram_budget: float | None = None, n_gpu_layers: int | None = None, gpu_index: GPUIndexMode = "reuse",
                  activations: str | os.PathLike[str] | None = None, accelerator: str | torch.device | None = None,
-                 parallel: int = 1):
+                 parallel: int = 1, cache_type: CacheType | None = None):
         if dtype not in ("auto", "float32"):
             raise PowerInferError(f"unknown dtype {dtype!r} (expected 'auto' or 'float32')")
+        if cache_type is not None and cache_type not in CACHE_TYPES:
+            raise PowerInferError(f"unknown cache type {cache_type!r} (expected one of {', '.join(CACHE_TYPES)})")
+        self.cache_type = cache_type  # None: the engine's default for the model (f16; f32 in float32 mode)
         if sparsity not in ("auto", "off", "oracle"):
             raise PowerInferError(f"unknown sparsity {sparsity!r} (expected 'auto', 'off' or 'oracle')")
         if parallel < 1:
@@ -131,7 +137,7 @@ class LLM:
 
     def new_engine(self, n_slots: int) -> Engine:
         """An engine with `n_slots` KV-cache slots over this model's weights."""
-        return Engine(self.model, self.n_ctx, n_slots=n_slots, n_batch=self.n_batch)
+        return Engine(self.model, self.n_ctx, n_slots=n_slots, n_batch=self.n_batch, cache_type=self.cache_type)
 
     # -- tokens -------------------------------------------------------------------------------
 

@@ -49,8 +49,9 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 # ---------------------------------------------------------------- engines and logits
 
 def engine(path, n_ctx: int = 128, **options) -> Engine:
-    """An engine over the model at `path`, built with FFNOptions(**options)."""
-    return Engine(load_model(open_gguf(path), n_ctx, FFNOptions(**options)), n_ctx)
+    """An engine over the model at `path`, built with FFNOptions(**options), with a float32 KV cache:
+    its users compare paths at float32 rounding, which a float16 cache's rounding would hide."""
+    return Engine(load_model(open_gguf(path), n_ctx, FFNOptions(**options)), n_ctx, cache_type="f32")
 
 
 def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:

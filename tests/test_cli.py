@@ -8,7 +8,10 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
+from powerinfer import LLM
+from powerinfer.errors import PowerInferError
 from powerinfer.gguf.writer import TensorData, write_gguf
 
 from helpers import assert_one_line_error, powerinfer
@@ -40,6 +43,18 @@ def test_ngl_without_a_gpu_says_so_in_one_line(default_model, default_llm):
     notes = [line for line in result.stderr.splitlines() if "-ngl" in line]
     assert notes == ["powerinfer: no CUDA device: -ngl 99 is ignored and everything runs on the CPU"]
     assert result.stdout.rstrip("\n") == default_llm.generate("Once upon a time", max_tokens=8, temperature=0)
+
+
+def test_cache_type_reaches_the_engine(default_model):
+    """-ctk f32 keeps the KV cache in float32, as LLM(cache_type="f32") does (the default is f16)."""
+    llm = LLM(default_model, n_ctx=512, cache_type="f32")
+    assert llm.engine.cache.keys[0].dtype == torch.float32
+    result = powerinfer("run", "-m", str(default_model), "-c", "512", "-p", "Once upon a time", "-n", "16", "--temp", "0",
+                        "-ctk", "f32")
+    assert result.stdout.rstrip("\n") == llm.generate("Once upon a time", max_tokens=16, temperature=0)
+    assert LLM(default_model, n_ctx=64).engine.cache.keys[0].dtype == torch.float16
+    with pytest.raises(PowerInferError, match="unknown cache type 'q8_0'"):
+        LLM(default_model, cache_type="q8_0")
 
 
 def test_run_cnv_chats(default_model):
@@ -122,6 +137,7 @@ def test_prompt_longer_than_context(default_model):
     (["run", "-p", "x", "-t", "0"], "must be >= 1"),
     (["run"], "required"),
     (["fly"], "invalid choice"),
+    (["run", "-p", "x", "-ctk", "q8_0"], "invalid choice: 'q8_0'"),
 ])
 def test_bad_flags(flags, fragment):
     assert_one_line_error(powerinfer(*flags), fragment)

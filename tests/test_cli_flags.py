@@ -13,7 +13,8 @@ MODEL_COMMANDS = ["run", "chat", "bench", "serve", "perplexity", "profile", "tra
 # llama.cpp's several-letter single-dash flags that we accept, per command, with a value and the
 # attribute it must land in: never a shorter flag with the rest glued on as its value.
 LLAMA_CPP_FLAGS = {
-    **{command: [("-ngl", "99", "n_gpu_layers", 99), ("-hf", "org/name:Q4_K_M", "hf_repo", "org/name:Q4_K_M"),
+    **{command: [("-ngl", "99", "n_gpu_layers", 99), ("-ctk", "f32", "cache_type", "f32"),
+                 ("-hf", "org/name:Q4_K_M", "hf_repo", "org/name:Q4_K_M"),
                  ("-hfr", "org/name", "hf_repo", "org/name"), ("-hff", "f.gguf", "hf_file", "f.gguf")]
        for command in MODEL_COMMANDS},
     **{command: [("-hf", "org/name", "hf_repo", "org/name"), ("-hfr", "org/name", "hf_repo", "org/name"),
@@ -54,7 +55,7 @@ def test_every_multi_letter_flag_we_define_is_listed():
 
 @pytest.mark.parametrize("argv, glued", [
     (["run", "-p", "x", "-fa"], "-fa"),  # llama.cpp's flash attention: not -f a
-    (["run", "-p", "x", "-ctk", "q8_0"], "-ctk"),  # not -c tk
+    (["run", "-p", "x", "-ctv", "q8_0"], "-ctv"),  # llama.cpp's V cache type (ours: -ctk, both): not -c tv
     (["bench", "-ngld", "3"], "-ngld"),
     (["-hf", "org/name"], "-hf"),  # before the command: not -h f
 ])

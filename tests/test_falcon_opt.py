@@ -119,7 +119,7 @@ def ids() -> list[int]:
 
 @pytest.mark.parametrize("outtype", ["f32", "f16"])
 def test_dense_logits_equal_transformers(tiny, ids, outtype):
-    llm = LLM(tiny.ggufs[outtype], n_ctx=N_CTX, sparsity="off")
+    llm = LLM(tiny.ggufs[outtype], n_ctx=N_CTX, sparsity="off", cache_type=outtype)  # float32 exact throughout
     assert (llm.config.architecture, llm.config.n_head_kv) == (tiny.architecture, tiny.n_head_kv)
     assert llm.config.activation == (FFNActivation.RELU if tiny.relu else FFNActivation.GELU)
     ours = torch.from_numpy(llm.logits(ids))
@@ -248,7 +248,7 @@ def test_hybrid_split_changes_nothing(opt, pwri, ids, mode):
     split = load_model(open_gguf(pwri), N_CTX, FFNOptions(sparsity=mode))
     apply_placement(split, Placement(torch.device("cpu"), plan))
     assert all(isinstance(b.ffn, HybridFFN) for b in split.blocks)
-    assert_same(both_paths(Engine(split, N_CTX), ids), both_paths(engine(pwri, sparsity=mode), ids))
+    assert_same(both_paths(Engine(split, N_CTX, cache_type="f32"), ids), both_paths(engine(pwri, sparsity=mode), ids))
 
 
 def test_powerinfer_gguf_round_trips(opt, pwri, tmp_path):

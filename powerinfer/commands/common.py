@@ -21,7 +21,8 @@ def load_llm(args: argparse.Namespace):
     from powerinfer.llm import LLM
 
     return LLM(model_path(args), threads=args.threads, n_ctx=getattr(args, "ctx_size", None), dtype=args.dtype,
-               sparsity=getattr(args, "sparsity", "off"), **hybrid_arguments(args))
+               cache_type=getattr(args, "cache_type", None), sparsity=getattr(args, "sparsity", "off"),
+               **hybrid_arguments(args))
 
 
 def hybrid_arguments(args: argparse.Namespace) -> dict:

@@ -15,7 +15,7 @@ from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.ffn import FFNOptions
 from powerinfer.models.layers import DecoderBlock, Embedding, LayerNorm, RMSNorm, projection_builder
 from powerinfer.ops.linear import CPU, Linear
-from powerinfer.runtime.kv_cache import KVCache, SeqSpan
+from powerinfer.runtime.kv_cache import CacheType, KVCache, SeqSpan
 
 Which = Literal["all", "last", "hidden"]
 
@@ -30,6 +30,7 @@ class CausalLM(ABC):
     """
 
     config: ModelConfig
+    float32: bool = False  # built in the float32 reference mode (FFNOptions.float32): exact arithmetic
 
     @abstractmethod
     def forward(
@@ -41,9 +42,9 @@ class CausalLM(ABC):
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights read to decode one token (for bandwidth figures)."""
 
-    def new_cache(self, n_ctx: int, n_slots: int = 1) -> KVCache:
+    def new_cache(self, n_ctx: int, n_slots: int = 1, cache_type: CacheType = "f16") -> KVCache:
         c = self.config
-        return KVCache(c.n_layers, n_slots, c.n_head_kv, n_ctx, c.head_dim, self.cache_devices)
+        return KVCache(c.n_layers, n_slots, c.n_head_kv, n_ctx, c.head_dim, self.cache_devices, cache_type)
 
     @property
     def cache_devices(self) -> list[torch.device] | None:
@@ -90,7 +91,7 @@ class DecoderLM(CausalLM):
     norm: ClassVar[type[RMSNorm] | type[LayerNorm]]
 
     def __init__(self, gguf: GGUFFile, config: ModelConfig, options: FFNOptions):
-        self.config = config
+        self.config, self.float32 = config, options.float32
         self.embedding = Embedding(gguf.tensor("token_embd.weight"))
         self.blocks: list[DecoderBlock] = []
         for i in layer_progress(config.n_layers):

@@ -236,10 +236,10 @@ class Attention:
             keys, values = cache.store(self.layer, span, qk[:, h:].view(1, -1, 1, hd), v.view(1, -1, 1, hd))
             if window and span.end > window:  # the keys the window leaves
                 keys, values = keys[:, :, span.end - window :], values[:, :, span.end - window :]
-            q = qk[:, :h].view(1, h, 1, hd).to(keys.dtype)  # an accelerator's cache may hold float16
+            q, keys, values = _in_compute_dtype(qk[:, :h].view(1, h, 1, hd), keys, values)
             return self._scores(q, keys, values).view(1, h * hd).float()
         keys, values = cache.store(self.layer, span, qk[:, h:].transpose(0, 1)[None], v.transpose(0, 1)[None])
-        q = qk[:, :h].transpose(0, 1)[None].to(keys.dtype)  # [1, heads, n, hd]
+        q, keys, values = _in_compute_dtype(qk[:, :h].transpose(0, 1)[None], keys, values)  # q: [1, heads, n, hd]
         if span.start == 0 and not window:
             out = self._scores(q, keys, values, is_causal=True)
         else:  # token i sees keys up to start + i (and, with a window, fewer than `window` back)
@@ -254,6 +254,14 @@ class Attention:
         if o.softcap:
             return _softcapped_attention(q, keys, values, o.scale or self.head_dim**-0.5, o.softcap, **mask)
         return _attention(q, keys, values, scale=o.scale or None, **mask)
+
+
+def _in_compute_dtype(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, keys and values in the dtype attention computes in: the cache's (float16) on an
+    accelerator; float32 on the CPU, whose float16 arithmetic is slow (the cache is widened as read)."""
+    if keys.device.type == "cpu":
+        return q, keys.float(), values.float()
+    return q.to(keys.dtype), keys, values
 
 
 # On CUDA, cuDNN's attention builds a new graph for every key length: about 16 ms of CPU time per

@@ -17,9 +17,10 @@ from powerinfer.models.moe import ffn_unit_tensors
 from powerinfer.ops.linear import device_linear_bytes
 from powerinfer.ops.neuron import RECORD_ALIGN, record_row_bytes
 from powerinfer.ops.quant import FLOAT_TYPES
+from powerinfer.runtime.kv_cache import ACCELERATOR_CACHE_DTYPE
 
 GiB = 1 << 30
-KV_BYTES_PER_VALUE = 2  # the accelerator holds its KV cache in float16
+KV_BYTES_PER_VALUE = ACCELERATOR_CACHE_DTYPE.itemsize
 # weights and biases stay with the CPU store; so do a mixture of experts' experts and router
 FFN_NEURON_PARTS = ("ffn_gate", "ffn_up", "ffn_down", "ffn_down_t", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
                     "ffn_gate_inp")

@@ -9,16 +9,19 @@ import torch
 
 from powerinfer.errors import ContextOverflowError
 from powerinfer.models.base import CausalLM
-from powerinfer.runtime.kv_cache import SeqSpan
+from powerinfer.runtime.kv_cache import CacheType, SeqSpan
 
 
 class Engine:
     """A model plus its KV cache. Each slot remembers which tokens its cache holds, so a prompt
-    that extends an earlier one (a chat turn, a retry) only computes the new tokens."""
+    that extends an earlier one (a chat turn, a retry) only computes the new tokens. `cache_type`:
+    what the cache holds in CPU memory; by default f16, as llama.cpp's, and f32 for a model built in
+    the float32 reference mode, whose arithmetic is exact."""
 
-    def __init__(self, model: CausalLM, n_ctx: int, n_slots: int = 1, n_batch: int = 512):
+    def __init__(self, model: CausalLM, n_ctx: int, n_slots: int = 1, n_batch: int = 512,
+                 cache_type: CacheType | None = None):
         self.model, self.n_ctx, self.n_batch = model, n_ctx, n_batch
-        self.cache = model.new_cache(n_ctx, n_slots)
+        self.cache = model.new_cache(n_ctx, n_slots, cache_type or ("f32" if model.float32 else "f16"))
         self.slot_tokens: list[list[int]] = [[] for _ in range(n_slots)]
 
     @property

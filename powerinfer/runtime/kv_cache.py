@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -23,23 +24,30 @@ class SeqSpan:
         return self.start + self.length
 
 
-def cache_dtype(device: torch.device) -> torch.dtype:
-    """float32 in CPU memory; float16 on an accelerator, whose memory is the scarce resource."""
-    return torch.float32 if device.type == "cpu" else torch.float16
+CacheType = Literal["f16", "f32"]
+CACHE_TYPES: dict[str, torch.dtype] = {"f16": torch.float16, "f32": torch.float32}
+# An accelerator's memory is the scarce resource, and its attention kernels compute in float16.
+ACCELERATOR_CACHE_DTYPE = torch.float16
+
+
+def cache_dtype(device: torch.device, cache_type: CacheType) -> torch.dtype:
+    """What a layer's cache holds on `device`: `cache_type` in CPU memory (f16, llama.cpp's default,
+    is half f32's memory: 2 GiB rather than 4 for a Llama 2 7B context of 4096), float16 on an accelerator."""
+    return CACHE_TYPES[cache_type] if device.type == "cpu" else ACCELERATOR_CACHE_DTYPE
 
 
 class KVCache:
     """Keys and values per layer as [slots, kv_heads, n_ctx, head_dim], allocated once, each layer's
-    on the device its attention runs on (`devices`, default: all on the CPU)."""
+    on the device its attention runs on (`devices`, default: all on the CPU), of `cache_type` on the CPU."""
 
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, n_ctx: int, head_dim: int,
-                 devices: Sequence[torch.device] | None = None):
+                 devices: Sequence[torch.device] | None = None, cache_type: CacheType = "f16"):
         shape = (n_slots, n_kv_heads, n_ctx, head_dim)
         devices = devices or [CPU] * n_layers
         # Uninitialised: positions are always written before they are read, and pages never
         # written (the unused end of the context) then cost no resident memory.
-        self.keys = [torch.empty(shape, dtype=cache_dtype(d), device=d) for d in devices]
-        self.values = [torch.empty(shape, dtype=cache_dtype(d), device=d) for d in devices]
+        self.keys = [torch.empty(shape, dtype=cache_dtype(d, cache_type), device=d) for d in devices]
+        self.values = [torch.empty(shape, dtype=cache_dtype(d, cache_type), device=d) for d in devices]
         self.n_slots, self.n_ctx = n_slots, n_ctx
         # Per layer and slot, [1, kv_heads, n_ctx, head_dim] views made once: slicing them is the
         # whole per-step cost of reading the cache.

@@ -7,8 +7,11 @@
 // which RoPE pairing, window, scale and score soft-cap). Grouped KV heads: q head h reads KV head
 // h / (n_head / n_kv).
 // Each (row, head) is computed the same way whichever rows share the call, so a row gets the same
-// bits alone or batched. Reference: Attention in powerinfer/models/layers.py (tests/test_models.py).
+// bits alone or batched. The cache holds float16 (half the memory, as llama.cpp's default cache) or,
+// in the float32 reference mode, float32; its values are widened as they are read.
+// Reference: Attention in powerinfer/models/layers.py (tests/test_models.py).
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -26,12 +29,15 @@
 namespace powerinfer {
 
 // One head for one query: out[hd] = softmax(cap(q . K[j] * scale)) V over keys j < n, where
-// cap(s) = softcap * tanh(s / softcap) (softcap 0: cap(s) = s); K, V: rows of hd floats; p: n floats
-// of scratch.
-using HeadKernel = void (*)(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale,
+// cap(s) = softcap * tanh(s / softcap) (softcap 0: cap(s) = s); K, V: rows of hd cache values
+// (Value: float or c10::Half); p: n floats of scratch.
+template <typename Value>
+using HeadKernel = void (*)(const float* q, const Value* K, const Value* V, int64_t n, int64_t hd, float scale,
                             float softcap, float* p, float* out);
 
-constexpr int64_t MAX_CHUNKS = 8;  // SIMD paths: head_dim up to 8 vectors, in registers
+// SIMD paths: q and the output accumulators of up to 8 vectors of a head stay in registers; a wider
+// head (Gemma's 256) reads the rest of q from memory and accumulates its output in pieces.
+constexpr int64_t MAX_CHUNKS = 8;
 
 namespace {
 
@@ -47,12 +53,13 @@ void soft_cap_all(float* p, int64_t n, float softcap) {
 
 namespace scalar {
 
-void attend_head(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float softcap,
+template <typename Value>
+void attend_head(const float* q, const Value* K, const Value* V, int64_t n, int64_t hd, float scale, float softcap,
                  float* p, float* out) {
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {
     float dot = 0.0f;
-    for (int64_t d = 0; d < hd; ++d) dot += q[d] * K[j * hd + d];
+    for (int64_t d = 0; d < hd; ++d) dot += q[d] * static_cast<float>(K[j * hd + d]);
     p[j] = softcap ? soft_capped(dot * scale, softcap) : dot * scale;
     top = std::max(top, p[j]);
   }
@@ -60,7 +67,7 @@ void attend_head(const float* q, const float* K, const float* V, int64_t n, int6
   for (int64_t j = 0; j < n; ++j) sum += p[j] = std::exp(p[j] - top);
   std::fill(out, out + hd, 0.0f);
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t d = 0; d < hd; ++d) out[d] += p[j] * V[j * hd + d];
+    for (int64_t d = 0; d < hd; ++d) out[d] += p[j] * static_cast<float>(V[j * hd + d]);
   for (int64_t d = 0; d < hd; ++d) out[d] *= 1.0f / sum;
 }
 
@@ -71,6 +78,9 @@ void attend_head(const float* q, const float* K, const float* V, int64_t n, int6
 POWERINFER_TARGET_AVX512
 namespace powerinfer::avx512 {
 namespace {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 // exp(x) for x <= 0 (scores minus their maximum): 2^n * exp(r), |r| <= ln(2)/2, degree-7 Taylor
 // polynomial (relative error below 1e-8 before float32 rounding).
@@ -113,13 +123,15 @@ inline __m512 sum_lanes16(const __m512* v) {
 }
 
 // p[j] = q . K[j] * scale for j < n, head_dim = 16 * chunks.
-void scores(const float* q, const float* K, int64_t n, int64_t chunks, float scale, float* p) {
-  const int64_t hd = 16 * chunks;
+template <typename Value>
+void scores(const float* q, const Value* K, int64_t n, int64_t chunks, float scale, float* p) {
+  const int64_t hd = 16 * chunks, held = std::min(chunks, MAX_CHUNKS);
   __m512 qv[MAX_CHUNKS];
-  for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  auto dot = [&](const float* k) {
-    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-    for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), acc);
+  for (int64_t c = 0; c < held; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  auto dot = [&](const Value* k) {
+    __m512 acc = _mm512_mul_ps(qv[0], load16(k));
+    for (int64_t c = 1; c < held; ++c) acc = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), acc);
+    for (int64_t c = held; c < chunks; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), load16(k + 16 * c), acc);
     return acc;
   };
   int64_t j = 0;
@@ -131,21 +143,28 @@ void scores(const float* q, const float* K, int64_t n, int64_t chunks, float sca
   for (; j < n; ++j) p[j] = _mm512_reduce_add_ps(dot(K + j * hd)) * scale;
 }
 
-// out = sum_j p[j] V[j] * inverse, head_dim = 16 * chunks.
-void weighted_values(const float* p, const float* V, int64_t n, int64_t chunks, float inverse, float* out) {
-  __m512 acc[MAX_CHUNKS];
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const __m512 w = _mm512_set1_ps(p[j]);
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(V + j * 16 * chunks + 16 * c), acc[c]);
+// out = sum_j p[j] V[j] * inverse, head_dim = 16 * chunks, in pieces of up to MAX_CHUNKS vectors.
+template <typename Value>
+void weighted_values(const float* p, const Value* V, int64_t n, int64_t chunks, float inverse, float* out) {
+  for (int64_t first = 0; first < chunks; first += MAX_CHUNKS) {
+    const int64_t piece = std::min(MAX_CHUNKS, chunks - first);
+    const Value* column = V + 16 * first;
+    __m512 acc[MAX_CHUNKS];
+    for (int64_t c = 0; c < piece; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 w = _mm512_set1_ps(p[j]);
+      for (int64_t c = 0; c < piece; ++c) acc[c] = _mm512_fmadd_ps(w, load16(column + j * 16 * chunks + 16 * c), acc[c]);
+    }
+    for (int64_t c = 0; c < piece; ++c)
+      _mm512_storeu_ps(out + 16 * (first + c), _mm512_mul_ps(acc[c], _mm512_set1_ps(inverse)));
   }
-  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inverse)));
 }
 }  // namespace
 
-void attend_head(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float softcap,
+template <typename Value>
+void attend_head(const float* q, const Value* K, const Value* V, int64_t n, int64_t hd, float scale, float softcap,
                  float* p, float* out) {
-  if (hd % 16 != 0 || hd / 16 > MAX_CHUNKS) return scalar::attend_head(q, K, V, n, hd, scale, softcap, p, out);
+  if (hd % 16 != 0) return scalar::attend_head(q, K, V, n, hd, scale, softcap, p, out);
   scores(q, K, n, hd / 16, scale, p);
   if (softcap) soft_cap_all(p, n, softcap);
   weighted_values(p, V, n, hd / 16, 1.0f / softmax_numerators(p, n), out);
@@ -172,6 +191,9 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
 }
 
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 inline float horizontal_sum(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -180,17 +202,20 @@ inline float horizontal_sum(__m256 v) {
 
 }  // namespace
 
-// head_dim = 8 * chunks, chunks <= 2 * MAX_CHUNKS
-void attend_head(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float softcap,
+// head_dim = 8 * chunks; q and the accumulators of up to 2 * MAX_CHUNKS vectors in registers
+template <typename Value>
+void attend_head(const float* q, const Value* K, const Value* V, int64_t n, int64_t hd, float scale, float softcap,
                  float* p, float* out) {
-  if (hd % 8 != 0 || hd / 8 > 2 * MAX_CHUNKS) return scalar::attend_head(q, K, V, n, hd, scale, softcap, p, out);
-  const int64_t chunks = hd / 8;
-  __m256 qv[2 * MAX_CHUNKS];
-  for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
+  constexpr int64_t registers = 2 * MAX_CHUNKS;
+  if (hd % 8 != 0) return scalar::attend_head(q, K, V, n, hd, scale, softcap, p, out);
+  const int64_t chunks = hd / 8, held = std::min(chunks, registers);
+  __m256 qv[registers];
+  for (int64_t c = 0; c < held; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {
-    __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(K + j * hd));
-    for (int64_t c = 1; c < chunks; ++c) acc = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(K + j * hd + 8 * c), acc);
+    __m256 acc = _mm256_mul_ps(qv[0], load8(K + j * hd));
+    for (int64_t c = 1; c < held; ++c) acc = _mm256_fmadd_ps(qv[c], load8(K + j * hd + 8 * c), acc);
+    for (int64_t c = held; c < chunks; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load8(K + j * hd + 8 * c), acc);
     p[j] = softcap ? soft_capped(horizontal_sum(acc) * scale, softcap) : horizontal_sum(acc) * scale;
     top = std::max(top, p[j]);
   }
@@ -209,14 +234,17 @@ void attend_head(const float* q, const float* K, const float* V, int64_t n, int6
     _mm256_store_ps(rest, exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(rest), _mm256_set1_ps(top))));
     for (int64_t i = 0; j + i < n; ++i) sum += p[j + i] = rest[i];
   }
-  __m256 acc[2 * MAX_CHUNKS];
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < n; ++k) {
-    const __m256 w = _mm256_set1_ps(p[k]);
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(V + k * hd + 8 * c), acc[c]);
-  }
   const __m256 inverse = _mm256_set1_ps(1.0f / sum);
-  for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inverse));
+  for (int64_t first = 0; first < chunks; first += registers) {  // the output in pieces of `registers` vectors
+    const int64_t piece = std::min(registers, chunks - first);
+    __m256 acc[registers];
+    for (int64_t c = 0; c < piece; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < n; ++k) {
+      const __m256 w = _mm256_set1_ps(p[k]);
+      for (int64_t c = 0; c < piece; ++c) acc[c] = _mm256_fmadd_ps(w, load8(V + k * hd + 8 * (first + c)), acc[c]);
+    }
+    for (int64_t c = 0; c < piece; ++c) _mm256_storeu_ps(out + 8 * (first + c), _mm256_mul_ps(acc[c], inverse));
+  }
 }
 
 }  // namespace powerinfer::avx2
@@ -228,13 +256,14 @@ namespace {
 
 constexpr int64_t SERIAL_KEYS = 2048;  // below this many (head, key) pairs a call stays on one thread
 
-HeadKernel head_kernel() {
+template <typename Value>
+HeadKernel<Value> head_kernel() {
   switch (active_isa()) {
 #ifdef POWERINFER_X86
-    case Isa::AVX512: return avx512::attend_head;
-    case Isa::AVX2: return avx2::attend_head;
+    case Isa::AVX512: return avx512::attend_head<Value>;
+    case Isa::AVX2: return avx2::attend_head<Value>;
 #endif
-    default: return scalar::attend_head;
+    default: return scalar::attend_head<Value>;
   }
 }
 
@@ -256,49 +285,34 @@ int64_t first_key(int64_t pos, int64_t window) { return window ? std::max<int64_
 
 }  // namespace
 
-// qkv: float32 [rows, (n_head + 2 n_kv) * hd], q heads then k heads then v heads (rotated in place);
-// keys, values: float32 [slots, n_kv, n_ctx, hd]; rotations: complex64 with rows * rope_dim/2
-// elements (each row's position). Returns float32 [rows, n_head * hd].
-torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor keys, torch::Tensor values,
-                               const std::vector<int64_t>& slots, const std::vector<int64_t>& positions,
-                               torch::Tensor rotations, const AttentionSpec& spec) {
+namespace {
+
+// Rotates q and k of each row in place, stores each row's k and v at its position of its slot,
+// then attends each (row, q head) over the keys it sees, into out [rows, n_head * hd].
+template <typename Value>
+void store_and_attend(float* q, int64_t width, torch::Tensor keys, torch::Tensor values,
+                      const std::vector<int64_t>& slots, const std::vector<int64_t>& positions, const float* rp,
+                      const AttentionSpec& spec, float* o) {
   const int64_t n_head = spec.n_head, n_kv = spec.n_kv, rope_dim = spec.rope_dim;
-  const int64_t rows = qkv.size(0), hd = keys.size(3), n_ctx = keys.size(2);
-  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (n_head + 2 * n_kv) * hd,
-              "qkv must be contiguous float32 [rows, (n_head + 2 n_kv) * head_dim]");
-  for (const auto& cache : {keys, values})
-    TORCH_CHECK(cache.dtype() == torch::kFloat32 && cache.dim() == 4 && cache.size(1) == n_kv && cache.stride(3) == 1 &&
-                    cache.stride(2) == hd && cache.stride(1) == n_ctx * hd && cache.sizes() == keys.sizes(),
-                "caches must be float32 [slots, n_kv, n_ctx, head_dim] with contiguous slots");
-  TORCH_CHECK(n_kv > 0 && n_head % n_kv == 0, "n_head must be a multiple of n_kv");
-  TORCH_CHECK(rope_dim >= 0 && rope_dim <= hd && rope_dim % 2 == 0 && spec.window >= 0, "rope_dim: even, at most head_dim");
-  TORCH_CHECK(static_cast<int64_t>(slots.size()) == rows && static_cast<int64_t>(positions.size()) == rows,
-              "one slot and one position per row");
-  TORCH_CHECK(rotations.dtype() == torch::kComplexFloat && rotations.numel() == rows * rope_dim / 2,
-              "rotations: complex64, rope_dim/2 per row");
-  const auto rot = torch::view_as_real(rotations.contiguous()).contiguous();
-  const float* rp = rot.data_ptr<float>();
-  float* q = qkv.data_ptr<float>();
-  float* kc = keys.data_ptr<float>();
-  float* vc = values.data_ptr<float>();
-  const int64_t width = qkv.size(1), group = n_head / n_kv;
+  const int64_t rows = static_cast<int64_t>(slots.size()), hd = keys.size(3), n_ctx = keys.size(2);
+  Value* kc = keys.data_ptr<Value>();
+  Value* vc = values.data_ptr<Value>();
+  const int64_t group = n_head / n_kv;
   int64_t work = 0;
   for (int64_t b = 0; b < rows; ++b) {
-    TORCH_CHECK(slots[b] >= 0 && slots[b] < keys.size(0) && positions[b] >= 0 && positions[b] < n_ctx, "slot or position out of range");
     float* row = q + b * width;
     for (int64_t h = 0; h < n_head + n_kv; ++h) rotate(row + h * hd, rp + b * rope_dim, rope_dim, spec.neox);
     for (int64_t g = 0; g < n_kv; ++g) {
       const int64_t at = g * n_ctx * hd + positions[b] * hd;
+      // float -> Value rounds to nearest even, as torch's conversion does (the prefill's stores)
       std::copy_n(row + (n_head + g) * hd, hd, kc + slots[b] * keys.stride(0) + at);
       std::copy_n(row + (n_head + n_kv + g) * hd, hd, vc + slots[b] * values.stride(0) + at);
     }
     work += n_head * (positions[b] + 1 - first_key(positions[b], spec.window));
   }
-  auto out = torch::empty({rows, n_head * hd}, qkv.options());
-  float* o = out.data_ptr<float>();
   const float scale = spec.scale ? spec.scale : 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t tasks = rows * n_head;
-  const HeadKernel attend_head = head_kernel();
+  const HeadKernel<Value> attend_head = head_kernel<Value>();
   at::parallel_for(0, tasks, work < SERIAL_KEYS ? tasks : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p;
     for (int64_t t = begin; t < end; ++t) {
@@ -309,6 +323,41 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor keys, torch::Ten
                   scale, spec.softcap, p.data(), o + b * n_head * hd + h * hd);
     }
   });
+}
+
+}  // namespace
+
+// qkv: float32 [rows, (n_head + 2 n_kv) * hd], q heads then k heads then v heads (rotated in place);
+// keys, values: float16 or float32 [slots, n_kv, n_ctx, hd]; rotations: complex64 with
+// rows * rope_dim/2 elements (each row's position). Returns float32 [rows, n_head * hd].
+torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor keys, torch::Tensor values,
+                               const std::vector<int64_t>& slots, const std::vector<int64_t>& positions,
+                               torch::Tensor rotations, const AttentionSpec& spec) {
+  const int64_t n_head = spec.n_head, n_kv = spec.n_kv, rope_dim = spec.rope_dim;
+  const int64_t rows = qkv.size(0), hd = keys.size(3), n_ctx = keys.size(2);
+  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (n_head + 2 * n_kv) * hd,
+              "qkv must be contiguous float32 [rows, (n_head + 2 n_kv) * head_dim]");
+  const bool half = keys.dtype() == torch::kFloat16;
+  for (const auto& cache : {keys, values})
+    TORCH_CHECK((cache.dtype() == torch::kFloat32 || half) && cache.dtype() == keys.dtype() && cache.dim() == 4 &&
+                    cache.size(1) == n_kv && cache.stride(3) == 1 && cache.stride(2) == hd && cache.stride(1) == n_ctx * hd &&
+                    cache.sizes() == keys.sizes(),
+                "caches must be both float16 or both float32, [slots, n_kv, n_ctx, head_dim] with contiguous slots");
+  TORCH_CHECK(n_kv > 0 && n_head % n_kv == 0, "n_head must be a multiple of n_kv");
+  TORCH_CHECK(rope_dim >= 0 && rope_dim <= hd && rope_dim % 2 == 0 && spec.window >= 0, "rope_dim: even, at most head_dim");
+  TORCH_CHECK(static_cast<int64_t>(slots.size()) == rows && static_cast<int64_t>(positions.size()) == rows,
+              "one slot and one position per row");
+  TORCH_CHECK(rotations.dtype() == torch::kComplexFloat && rotations.numel() == rows * rope_dim / 2,
+              "rotations: complex64, rope_dim/2 per row");
+  for (int64_t b = 0; b < rows; ++b)
+    TORCH_CHECK(slots[b] >= 0 && slots[b] < keys.size(0) && positions[b] >= 0 && positions[b] < n_ctx, "slot or position out of range");
+  const auto rot = torch::view_as_real(rotations.contiguous()).contiguous();
+  auto out = torch::empty({rows, n_head * hd}, qkv.options());
+  float* q = qkv.data_ptr<float>();
+  if (half)
+    store_and_attend<c10::Half>(q, qkv.size(1), keys, values, slots, positions, rot.data_ptr<float>(), spec, out.data_ptr<float>());
+  else
+    store_and_attend<float>(q, qkv.size(1), keys, values, slots, positions, rot.data_ptr<float>(), spec, out.data_ptr<float>());
   return out;
 }
 
