@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFValueType
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from powerinfer.config import FFNActivation
@@ -50,6 +50,8 @@ def brute_force(problem: Problem) -> float:
 
 @settings(max_examples=60, deadline=None)
 @given(instances)
+# a budget one byte short of both layers' neuron: HiGHS's tolerance (~a byte in MiB) once let both in
+@example(([[1], [1]], [2000, 1000], 1, 0.9999999999999999, 0.0, 2.0))
 def test_solver_is_optimal_and_within_budget(instance):
     counts, neuron_bytes, group_size, share, sync, ratio = instance
     speeds = Speeds(1e9, 1e9 * ratio, sync)

@@ -41,8 +41,12 @@ from powerinfer.placement.costs import ModelShape, Speeds
 
 Formulation = Literal["cumulative", "groups"]
 DEFAULT_GROUP_SIZE = 64
-TIME_UNIT = 1e-6  # the program counts time in microseconds and bytes in MiB (well-scaled rows)
-BYTE_UNIT = 1 << 20
+# The program counts time in microseconds and bytes in KiB: rows stay well scaled, and HiGHS's
+# feasibility tolerances (1e-7 to 1e-6, absolute) are a thousandth of a byte, so a plan it accepts is
+# within the budget to the byte (in MiB, a plan one byte over was accepted).
+TIME_UNIT = 1e-6
+BYTE_UNIT = 1 << 10
+MiB = 1 << 20
 DEFAULT_TIME_LIMIT = 60.0  # seconds; past it the best plan found so far is used
 
 
@@ -116,7 +120,7 @@ class Plan:
     def summary(self) -> str:
         parts = [f"{len(self.split_layers)}/{len(self.hot)} layers use the accelerator",
                  f"{sum(len(h) for h in self.hot)}/{sum(self.n_ff)} neurons",
-                 f"{self.bytes_used / BYTE_UNIT:.1f} MiB of {self.capacity / BYTE_UNIT:.1f} MiB for neurons"]
+                 f"{self.bytes_used / MiB:.1f} MiB of {self.capacity / MiB:.1f} MiB for neurons"]
         if self.served_share is not None:
             parts.append(f"{100 * self.served_share:.1f}% of activations served there")
         if self.seconds_per_token is not None and self.cpu_seconds_per_token:
@@ -225,7 +229,7 @@ def _stdout_to_stderr() -> Iterator[None]:
 
 def _within_budget(problem: Problem, n: list[int]) -> list[int]:
     """Guard against the solver's feasibility tolerance: drop the least valuable last groups until
-    the exact byte count fits (a no-op in practice)."""
+    the exact byte count fits (a no-op: the tolerance is a fraction of a byte)."""
     while sum(problem.bytes_of(i, k) for i, k in enumerate(n)) > problem.budget:
         i = min((i for i in range(len(n)) if n[i] > 0), key=lambda i: problem.layers[i].values[n[i] - 1])
         n[i] -= 1
