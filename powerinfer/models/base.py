@@ -42,7 +42,7 @@ class CausalLM(ABC):
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights read to decode one token (for bandwidth figures)."""
 
-    def new_cache(self, n_ctx: int, n_slots: int = 1, cache_type: CacheType = "f16") -> KVCache:
+    def new_cache(self, n_ctx: int, n_slots: int, cache_type: CacheType) -> KVCache:
         c = self.config
         return KVCache(c.n_layers, n_slots, c.n_head_kv, n_ctx, c.head_dim, self.cache_devices, cache_type)
 

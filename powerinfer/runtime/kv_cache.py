@@ -38,10 +38,11 @@ def cache_dtype(device: torch.device, cache_type: CacheType) -> torch.dtype:
 
 class KVCache:
     """Keys and values per layer as [slots, kv_heads, n_ctx, head_dim], allocated once, each layer's
-    on the device its attention runs on (`devices`, default: all on the CPU), of `cache_type` on the CPU."""
+    on the device its attention runs on (`devices`: None puts all on the CPU), of `cache_type` on the CPU
+    (the default is the engine's to choose)."""
 
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, n_ctx: int, head_dim: int,
-                 devices: Sequence[torch.device] | None = None, cache_type: CacheType = "f16"):
+                 devices: Sequence[torch.device] | None, cache_type: CacheType):
         shape = (n_slots, n_kv_heads, n_ctx, head_dim)
         devices = devices or [CPU] * n_layers
         # Uninitialised: positions are always written before they are read, and pages never

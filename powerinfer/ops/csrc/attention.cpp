@@ -7,8 +7,8 @@
 // which RoPE pairing, window, scale and score soft-cap). Grouped KV heads: q head h reads KV head
 // h / (n_head / n_kv).
 // Each (row, head) is computed the same way whichever rows share the call, so a row gets the same
-// bits alone or batched. The cache holds float16 (half the memory, as llama.cpp's default cache) or,
-// in the float32 reference mode, float32; its values are widened as they are read.
+// bits alone or batched. The cache holds float16 (the default: half the memory, as llama.cpp's cache)
+// or float32; its values are widened to float32 as they are read.
 // Reference: Attention in powerinfer/models/layers.py (tests/test_models.py).
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -353,11 +353,11 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor keys, torch::Ten
     TORCH_CHECK(slots[b] >= 0 && slots[b] < keys.size(0) && positions[b] >= 0 && positions[b] < n_ctx, "slot or position out of range");
   const auto rot = torch::view_as_real(rotations.contiguous()).contiguous();
   auto out = torch::empty({rows, n_head * hd}, qkv.options());
-  float* q = qkv.data_ptr<float>();
-  if (half)
-    store_and_attend<c10::Half>(q, qkv.size(1), keys, values, slots, positions, rot.data_ptr<float>(), spec, out.data_ptr<float>());
-  else
-    store_and_attend<float>(q, qkv.size(1), keys, values, slots, positions, rot.data_ptr<float>(), spec, out.data_ptr<float>());
+  const auto run = [&](auto value) {  // `value`: a Value, for its type
+    store_and_attend<decltype(value)>(qkv.data_ptr<float>(), qkv.size(1), keys, values, slots, positions,
+                                      rot.data_ptr<float>(), spec, out.data_ptr<float>());
+  };
+  half ? run(c10::Half{}) : run(0.0f);
   return out;
 }
 
