@@ -4,6 +4,9 @@ runs writes the scalar path's greedy text, and the switch only ever lowers the C
 from __future__ import annotations
 
 import os
+import platform
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +82,32 @@ def test_each_instruction_set_picks_the_scalar_paths_token_where_the_model_is_su
         assert torch.equal(got.argmax(-1)[sure], reference.argmax(-1)[sure]), isa
         kl = (log_p.exp() * (log_p - torch.log_softmax(got, -1))).sum(-1).mean()
         assert kl < 0.05, (isa, kl)
+
+
+def instructions_by_function() -> dict[str, list[str]]:
+    """The compiled module's disassembly: function name -> its instructions."""
+    listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", native.load().__file__],
+                             capture_output=True, text=True, check=True).stdout
+    functions: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in listing.splitlines():
+        if line.endswith(">:") and " <" in line:
+            current = functions.setdefault(line.split(" <", 1)[1][:-2], [])
+        elif line.startswith(" ") and "\t" in line:
+            current.append(line.split("\t", 1)[1])
+    return functions
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+def test_a_build_runs_on_any_x86_64_cpu():
+    """What keeps a wheel built on an AVX-512 machine from dying of SIGILL on an AVX2-only one (and
+    both on a CPU without AVX): VEX/EVEX instructions only in the kernels of an instruction set's
+    namespace, 512-bit registers and mask registers only in AVX-512's."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 only")
+    for function, instructions in instructions_by_function().items():
+        vex = [i for i in instructions if i.startswith("v")]
+        if vex:
+            assert "powerinfer::avx2::" in function or "powerinfer::avx512::" in function, (function, vex[:3])
+        if any("%zmm" in i or re.search(r"%k[1-7]\b", i) for i in instructions):
+            assert "powerinfer::avx512::" in function, function
