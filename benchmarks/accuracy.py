@@ -18,7 +18,6 @@ import torch
 from common import ROOT, ensure_llama_cpp, llama_cpp_isa, machine_description, wikitext
 
 OUT = ROOT / "docs" / "accuracy.md"
-ACTIVATIONS = {"avx512": "bfloat16", "avx2": "8-bit", "scalar": "bfloat16"}  # how each rounds x (quant_matmul.h)
 
 
 def compare(name: str, logits: np.ndarray, reference: np.ndarray) -> str:
@@ -51,7 +50,7 @@ def main() -> None:
     rows = []
     for isa in native.instruction_sets():
         with native.instruction_set(isa):
-            rows.append(compare(f"powerinfer, {isa} kernels ({ACTIVATIONS[isa]} activations)", fast.logits(ids), reference))
+            rows.append(compare(f"powerinfer, {isa} kernels ({native.ACTIVATION_ROUNDING[isa]} activations)", fast.logits(ids), reference))
     rows += [compare("powerinfer dtype=float32", exact.logits(ids), reference),
              compare(f"llama.cpp, {llama_cpp_isa(llama_cpp)} build (8-bit activations)", np.array(llama.scores[: len(ids)]), reference)]
 

@@ -30,6 +30,12 @@ from conftest import quantized_rows
 BLOCK_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
+# A chat question whose reply the default model is sure of on every instruction set: its first token
+# leads by over a logit ("Which city is the capital of France?" leads by 0.08, and AVX2's int8
+# activations answer that one otherwise).
+CAPITAL_QUESTION = "What is the capital city of France? Answer in one word."
+
+
 # ---------------------------------------------------------------- the command line
 
 def powerinfer(*args: str, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -47,6 +53,15 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 
 
 # ---------------------------------------------------------------- engines and logits
+
+def activation_rounding_factor() -> float:
+    """How much coarser than bfloat16 the active kernels round activations (native.ACTIVATION_ROUNDING):
+    a step of int8 per 32 inputs is up to 2^-7 of a block's largest input, bfloat16's 2^-9 of each;
+    tolerances measured with bfloat16 scale by this."""
+    from powerinfer.ops import native
+
+    return 4.0 if native.load() is not None and native.ACTIVATION_ROUNDING[native.load().isa()] == "int8" else 1.0
+
 
 def engine(path, n_ctx: int = 128, **options) -> Engine:
     """An engine over the model at `path`, built with FFNOptions(**options), with a float32 KV cache:

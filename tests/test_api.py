@@ -10,6 +10,8 @@ import torch
 
 from powerinfer import LLM, PowerInferError
 
+from helpers import CAPITAL_QUESTION
+
 
 def test_tokenize_round_trip(default_llm):
     ids = default_llm.tokenize("Hello world, 2024!")
@@ -49,9 +51,7 @@ def test_stop_string_ends_generation(default_llm):
 
 
 def test_chat_uses_template_and_stops_at_end_of_turn(default_llm, smollm2_reference):
-    # a question whose first reply token leads by over a logit on every instruction set ("Which city
-    # is the capital of France?" leads by 0.08: AVX2's int8 activations answer it otherwise)
-    messages = [{"role": "user", "content": "What is the capital city of France? Answer in one word."}]
+    messages = [{"role": "user", "content": CAPITAL_QUESTION}]
     expected_ids = smollm2_reference[0].apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     assert default_llm.chat_prompt(messages) == list(getattr(expected_ids, "input_ids", expected_ids))
     completion = default_llm.complete(default_llm.chat_prompt(messages), temperature=0, max_tokens=64)

@@ -15,6 +15,8 @@ import pytest
 
 from powerinfer.commands.chat import Conversation, run_command
 
+from helpers import CAPITAL_QUESTION
+
 needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (scripts/setup.sh installs it)")
 
 
@@ -108,7 +110,7 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(terminal):
     chat.wait_for(lambda: len(chat.lines()) > asked + 1, "the reply to start")  # the question, then reply text
     chat.send("C-c")
     chat.wait_text("[reply stopped]")
-    reply = chat.say("What is the capital of France?")
+    reply = chat.say(CAPITAL_QUESTION)
     assert any("Paris" in line for line in reply), reply
     chat.send("C-c")  # at the prompt: the session ends, cleanly
     assert chat.exit_status() == 0

@@ -14,7 +14,7 @@ from powerinfer import LLM
 from powerinfer.errors import PowerInferError
 from powerinfer.gguf.writer import TensorData, write_gguf
 
-from helpers import assert_one_line_error, powerinfer
+from helpers import CAPITAL_QUESTION, assert_one_line_error, powerinfer
 
 
 def test_run_prints_text_and_timings(default_model):
@@ -31,7 +31,7 @@ def test_run_greedy_equals_api(default_model, default_llm):
 
 
 def test_chat_reads_stdin(default_model):
-    result = powerinfer("chat", "-m", str(default_model), "--temp", "0", "-n", "24", stdin="Which city is the capital of France?\n")
+    result = powerinfer("chat", "-m", str(default_model), "--temp", "0", "-n", "24", stdin=CAPITAL_QUESTION + "\n")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
 
@@ -59,7 +59,7 @@ def test_cache_type_reaches_the_engine(default_model):
 
 def test_run_cnv_chats(default_model):
     result = powerinfer("run", "-cnv", "-m", str(default_model), "--temp", "0", "-n", "24",
-                        stdin="Which city is the capital of France?\n")
+                        stdin=CAPITAL_QUESTION + "\n")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
 

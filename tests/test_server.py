@@ -32,6 +32,8 @@ from powerinfer.server.app import create_app
 from powerinfer.server.gate import LOOPBACK_HOSTS
 from powerinfer.server.generation import Mailbox
 
+from helpers import CAPITAL_QUESTION
+
 PARALLEL = 4
 JSON_HEADERS = {"Content-Type": "application/json"}
 PROMPTS = [f"{subject} is" for subject in (
@@ -154,7 +156,7 @@ def test_chat_greedy_equals_llm_chat(client, model_id, default_llm):
 
 
 def test_chat_stops_at_end_of_turn(client, model_id, default_llm):
-    messages = [{"role": "user", "content": "Which city is the capital of France?"}]
+    messages = [{"role": "user", "content": CAPITAL_QUESTION}]
     answer = client.chat.completions.create(model=model_id, messages=messages, max_tokens=64, temperature=0)
     assert answer.choices[0].finish_reason == "stop" and "Paris" in answer.choices[0].message.content
     assert answer.choices[0].message.content == default_llm.chat(messages, max_tokens=64, temperature=0)

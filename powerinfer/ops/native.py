@@ -86,6 +86,11 @@ def instruction_set(name: str) -> Iterator[None]:
         ops.set_isa(previous)
 
 
+# How QuantLinear rounds activations on each instruction set (csrc/quant_matmul.h): AVX2 has no
+# bfloat16 dot product and rounds them to int8 per 32 inputs, as llama.cpp does.
+ACTIVATION_ROUNDING = {"avx512": "bfloat16", "avx2": "int8", "scalar": "bfloat16"}
+
+
 def instruction_sets() -> list[str]:
     """The instruction sets this CPU runs the kernels with, best first."""
     order = ["avx512", "avx2", "scalar"]
