@@ -19,7 +19,6 @@
 #include <utility>
 
 #include "ops.h"
-#include "quant_matmul.h"
 
 namespace powerinfer {
 
@@ -200,41 +199,6 @@ Records check_records(const torch::Tensor& rec, const torch::Tensor& idx) {
 // neurons 14.6 -> 16.2 GB/s; 6 and 8 alike).
 constexpr int64_t PREFETCH_AHEAD = 4;
 
-// x's int8 values per block of 32, scales and sums: v = nearbyint(x / scale), scale = max |x| / 127.
-void round_scalar(const float* x, int64_t n_blocks, QuantizedX& out) {
-  for (int64_t b = 0; b < n_blocks; ++b) {
-    const float* xb = x + b * QK;
-    float amax = 0.0f;
-    for (int k = 0; k < QK; ++k) amax = std::max(amax, std::fabs(xb[k]));
-    const float scale = amax / INT8_X_MAX, inv = scale > 0 ? 1.0f / scale : 0.0f;
-    out.scale[b] = scale;
-    for (int half = 0; half < 2; ++half) {
-      float sum = 0.0f;
-      int32_t qsum = 0;
-      for (int k = 16 * half; k < 16 * half + 16; ++k) {
-        const int8_t v = static_cast<int8_t>(std::nearbyint(xb[k] * inv));
-        out.q8[b * QK + k] = v;
-        sum += xb[k];
-        qsum += v;
-      }
-      out.sum16[2 * b + half] = sum;
-      out.qsum16[2 * b + half] = static_cast<float>(qsum);
-    }
-    out.sum[b] = out.sum16[2 * b] + out.sum16[2 * b + 1];
-  }
-}
-
-// The same values, bit for bit, from QuantLinear's AVX2 input rounding (quant_matmul.h: the same
-// formula, sums in the same order), which takes a fraction of the scalar loop's time.
-void round_avx2(const float* x, int64_t n_blocks, QuantizedX& out) {
-  const PreparedInput p = prepare_input(x, 1, n_blocks * QK, Isa::AVX2);
-  std::copy(p.q8.begin(), p.q8.end(), out.q8.begin());
-  std::copy(p.scale.begin(), p.scale.end(), out.scale.begin());
-  std::copy(p.sum32.begin(), p.sum32.end(), out.sum.begin());
-  std::copy(p.sum16.begin(), p.sum16.end(), out.sum16.begin());
-  std::copy(p.qsum16.begin(), p.qsum16.end(), out.qsum16.begin());
-}
-
 QuantizedX quantize_x(const float* x, int64_t n_values) {
   const int64_t n_blocks = n_values / QK, groups = (n_blocks + 3) / 4;
   const int64_t scale_blocks = (n_blocks + 7) / 8 * 8;  // the SIMD kernels read scales 8 blocks at a time
@@ -246,12 +210,28 @@ QuantizedX quantize_x(const float* x, int64_t n_values) {
   out.sum.assign(scale_blocks, 0.0f);
   out.sum16.assign(groups * 8, 0.0f);
   out.qsum16.assign(groups * 8, 0.0f);
-  if (active_isa() >= Isa::AVX2) round_avx2(x, n_blocks, out);
-  else round_scalar(x, n_blocks, out);
-  // 4-bit rows: per 4 blocks, 64 partners of the low nibbles (the first 16 of each block) then 64 of the high
-  for (int64_t b = 0; b < n_blocks; ++b)
-    for (int half = 0; half < 2; ++half)
-      std::memcpy(out.q4.data() + (b / 4) * 4 * QK + half * 64 + (b % 4) * 16, out.q8.data() + b * QK + 16 * half, 16);
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const float* xb = x + b * QK;
+    float amax = 0.0f;
+    for (int k = 0; k < QK; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float scale = amax / 127.0f, inv = scale > 0 ? 1.0f / scale : 0.0f;
+    out.scale[b] = scale;
+    for (int half = 0; half < 2; ++half) {
+      float sum = 0.0f;
+      int32_t qsum = 0;
+      for (int k = 16 * half; k < 16 * half + 16; ++k) {
+        const int8_t v = static_cast<int8_t>(std::nearbyint(xb[k] * inv));
+        out.q8[b * QK + k] = v;
+        // 4-bit rows: per 4 blocks, 64 partners of the low nibbles then 64 of the high nibbles
+        out.q4[(b / 4) * 4 * QK + (k / 16) * 64 + (b % 4) * 16 + (k % 16)] = v;
+        sum += xb[k];
+        qsum += v;
+      }
+      out.sum16[2 * b + half] = sum;
+      out.qsum16[2 * b + half] = static_cast<float>(qsum);
+    }
+    out.sum[b] = out.sum16[2 * b] + out.sum16[2 * b + 1];
+  }
   return out;
 }
 
