@@ -19,6 +19,15 @@ ours give ' Once'), so ours is given the ids PowerInfer reports (--verbose-promp
   `Engine.decode` steps after the prompt, timed.
 Repetitions interleave (the machine is shared), one warm-up each; medians are reported.
 
+`--mode dense` runs every FFN neuron: powerinfer with `sparsity="off"` (its dense QuantLinear FFN,
+no predictors), PowerInfer on the same file with LLAMA_SPARSE_PRED_THRESHOLD=-1e30, so that its
+predictors (which still run) select every neuron of its sparse operators: it reads no dense file.
+
+`--isa avx2` compares the two on AVX2 on any x86-64 machine: ours forced to AVX2 (POWERINFER_ISA),
+PowerInfer built without AVX-512 (`powerinfer_upstream.cmake_flags`, in `<powerinfer>/build-avx2`).
+Each row of the table names the instruction set its engine ran: ours as its kernels report it,
+PowerInfer's from the system_info line its main prints.
+
 Bytes read per token: the weights each engine reads for one token, by part. powerinfer's from the
 loaded model (its storage, which is not the file's where it expands a type) and the neurons its
 predictors chose (per layer, averaged over the tokens); PowerInfer's from the file's tensors (ggml
@@ -60,6 +69,8 @@ PARTS = ("attention", "predictors (fc1, fc2)", "FFN neurons (active share)", "ou
 EVAL_LINE = re.compile(r"^llama_print_timings:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", re.M)
 GNU_TIME = "/usr/bin/time"  # apt-get install time
 PROMPT_TOKEN_LINE = re.compile(r"^\s*(\d+) -> '", re.M)  # --verbose-prompt: "  9038 -> ' Once'"
+SYSTEM_INFO_LINE = re.compile(r"^system_info: .*$", re.M)  # "... | AVX2 = 1 | AVX512 = 0 | ..."
+EVERY_NEURON = "-1e30"  # LLAMA_SPARSE_PRED_THRESHOLD of PowerInfer's dense runs: every score passes it
 
 
 @dataclass
@@ -68,6 +79,7 @@ class Runs:
 
     timings: list[tuple[float, int]] = field(default_factory=list)
     peak_rss: int = 0
+    isa: str = "?"
 
     def rates(self) -> list[float]:
         return [steps / seconds for seconds, steps in self.timings]
@@ -79,23 +91,34 @@ class Runs:
 
 # ---------------------------------------------------------------- the original PowerInfer
 
-def powerinfer_run(main: Path, model: Path, prompt: str, n_gen: int, threads: int,
-                   n_ctx: int) -> tuple[float, int, list[int], int]:
-    """One `main` run: (decode seconds, decode steps, its prompt's token ids, peak RSS bytes).
+def powerinfer_isa(system_info: str) -> str:
+    """The widest x86 instruction set a PowerInfer build computes with, from its system_info line."""
+    flags = {name.strip(): value.strip() == "1" for name, _, value in
+             (part.partition("=") for part in system_info.split("|")[1:]) if value}
+    return "avx512" if flags.get("AVX512") else "avx2" if flags.get("AVX2") else "scalar"
+
+
+def powerinfer_run(main: Path, model: Path, prompt: str, n_gen: int, threads: int, n_ctx: int,
+                   dense: bool) -> tuple[float, int, list[int], int, str]:
+    """One `main` run: (decode seconds, decode steps, its prompt's token ids, peak RSS bytes, ISA);
+    `dense`: every neuron computed (EVERY_NEURON).
 
     Its peak RSS comes from GNU time: a child forked from this process would report this
     process's peak as well (Linux carries the high-water mark over fork and exec)."""
     command = [str(main), "-m", str(model), "-p", prompt, "-n", str(n_gen), "-t", str(threads), "-tb", str(threads),
                "-c", str(n_ctx), "--temp", "0", "--repeat-penalty", "1.0", "--ignore-eos", "--seed", "0", "--verbose-prompt"]
+    env = {**os.environ, "LLAMA_SPARSE_PRED_THRESHOLD": EVERY_NEURON} if dense else None
     with tempfile.TemporaryDirectory() as scratch:  # its working folder: main writes main.log there
         rss = Path(scratch) / "peak-rss"
-        result = subprocess.run([GNU_TIME, "-f", "%M", "-o", str(rss), *command], cwd=scratch,
+        result = subprocess.run([GNU_TIME, "-f", "%M", "-o", str(rss), *command], cwd=scratch, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         peak_kib = rss.read_text().split()[-1] if rss.exists() else "0"
     found, prompt_ids = EVAL_LINE.search(result.stderr), [int(i) for i in PROMPT_TOKEN_LINE.findall(result.stderr)]
-    if result.returncode != 0 or found is None or not prompt_ids:
+    system_info = SYSTEM_INFO_LINE.search(result.stderr)
+    if result.returncode != 0 or found is None or not prompt_ids or system_info is None:
         sys.exit(f"PowerInfer's main failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
-    return float(found.group(1)) / 1e3, int(found.group(2)), prompt_ids, int(peak_kib) * 1024
+    return (float(found.group(1)) / 1e3, int(found.group(2)), prompt_ids, int(peak_kib) * 1024,
+            powerinfer_isa(system_info.group(0)))
 
 
 def file_bytes_per_token(model: Path, active: float) -> dict[str, float]:
@@ -119,14 +142,17 @@ def file_bytes_per_token(model: Path, active: float) -> dict[str, float]:
 # ---------------------------------------------------------------- ours
 
 class Ours:
-    """powerinfer with the file's predictors, loaded once."""
+    """powerinfer with the file's predictors (or, `dense`, every neuron), loaded once."""
 
-    def __init__(self, model: Path, threads: int, n_ctx: int):
+    def __init__(self, model: Path, threads: int, n_ctx: int, dense: bool):
         from powerinfer import LLM
+        from powerinfer.ops import native
 
         started = time.perf_counter()
-        self.llm = LLM(model, threads=threads, n_ctx=n_ctx, sparsity="auto")
+        self.llm = LLM(model, threads=threads, n_ctx=n_ctx, sparsity="off" if dense else "auto")
         self.load_seconds = time.perf_counter() - started
+        self.dense = dense
+        self.isa = native.load().isa() if native.load() is not None else "torch"
         self.blocks = self.llm.model.blocks
         self.active: list[list[float]] = []  # per decode step, per layer: the share of neurons computed
 
@@ -144,9 +170,9 @@ class Ours:
         started = time.perf_counter()
         for _ in range(n_gen - 1):
             token = self.greedy(engine.decode([(0, token)])[0])
-            steps.append([block.ffn.last_active for block in self.blocks])
+            steps.append([1.0 if self.dense else block.ffn.last_active / block.ffn.store.n_ff for block in self.blocks])
         seconds = time.perf_counter() - started
-        self.active += [[n / block.ffn.store.n_ff for n, block in zip(step, self.blocks)] for step in steps]
+        self.active += steps
         return seconds, len(steps)
 
     def active_share(self) -> float:
@@ -155,9 +181,10 @@ class Ours:
     def bytes_per_token(self) -> dict[str, float]:
         """From the loaded model: what it stores, FFN records at each layer's measured share."""
         per_layer = [statistics.fmean(step[i] for step in self.active) for i in range(len(self.blocks))]
+        ffn_bytes = [b.ffn.nbytes if self.dense else b.ffn.store.nbytes for b in self.blocks]
         return {"attention": sum(b.attention.nbytes for b in self.blocks),
-                "predictors (fc1, fc2)": sum(b.ffn.predictor.nbytes for b in self.blocks),
-                "FFN neurons (active share)": sum(share * b.ffn.store.nbytes for share, b in zip(per_layer, self.blocks)),
+                "predictors (fc1, fc2)": 0 if self.dense else sum(b.ffn.predictor.nbytes for b in self.blocks),
+                "FFN neurons (active share)": sum(share * n for share, n in zip(per_layer, ffn_bytes)),
                 "output": self.llm.model.output.nbytes}
 
 
@@ -168,36 +195,42 @@ def section(args, machine: str, prompt_ids: list[int], original: Runs, ours: Our
     theirs_bytes = file_bytes_per_token(args.model, ours.active_share())
     our_bytes = ours.bytes_per_token()
     total = lambda parts: sum(parts.values()) / 1e6  # noqa: E731
-    rows = [("PowerInfer (original, CPU build)", original, total(theirs_bytes)),
-            ('powerinfer (`sparsity="auto"`)', our_runs, total(our_bytes))]
-    table = ["| engine | decode tok/s (median) | min – max | vs PowerInfer | bytes read per token (MB) | implied GB/s | peak RSS (MiB) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    theirs_name = ("PowerInfer (original, CPU build, every neuron)" if args.mode == "dense"
+                   else "PowerInfer (original, CPU build)")
+    rows = [(theirs_name, original, total(theirs_bytes)),
+            (f'powerinfer (`sparsity="{"off" if args.mode == "dense" else "auto"}"`)', our_runs, total(our_bytes))]
+    table = ["| engine | ISA | decode tok/s (median) | min – max | vs PowerInfer | bytes read per token (MB) | implied GB/s | peak RSS (MiB) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, runs, mb in rows:
         rates = runs.rates()
-        table.append(f"| {name} | {runs.median:.2f} | {min(rates):.2f} – {max(rates):.2f} | "
+        table.append(f"| {name} | {runs.isa} | {runs.median:.2f} | {min(rates):.2f} – {max(rates):.2f} | "
                      f"{runs.median / original.median:.2f}x | {mb:.0f} | {runs.median * mb / 1e3:.1f} | "
                      f"{runs.peak_rss / 2**20:.0f} |")
     parts = ["| part | PowerInfer (MB) | powerinfer (MB) |", "| --- | ---: | ---: |"]
     parts += [f"| {part} | {theirs_bytes.get(part, 0) / 1e6:.1f} | {our_bytes[part] / 1e6:.1f} |" for part in PARTS]
     parts.append(f"| total | {total(theirs_bytes):.1f} | {total(our_bytes):.1f} |")
     commit = args.powerinfer_commit or upstream.commit(args.powerinfer) or "unknown (pass --powerinfer-commit)"
+    options = (f" --isa {args.isa}" if args.isa else "") + (f" --mode {args.mode}" if args.mode != "sparse" else "")
+    dense_note = (f"Dense: every FFN neuron; PowerInfer with LLAMA_SPARSE_PRED_THRESHOLD={EVERY_NEURON} (its predictors still "
+                  'run and select every neuron), powerinfer with `sparsity="off"` ' if args.mode == "dense" else "")
     types = ", ".join(f"{kind} {type_name}" for (kind, type_name), _ in sorted(upstream.tensor_types(args.model).items())
                       if not kind.endswith("norm.weight"))
     command = (f".venv/bin/python benchmarks/powerinfer_original.py --powerinfer PATH --label \"{args.label}\" "
-               f"--threads {args.threads} --n-gen {args.n_gen} --reps {args.reps}")
+               f"--threads {args.threads} --n-gen {args.n_gen} --reps {args.reps}{options}")
     return "\n".join([
         f"## {args.label}",
         "",
         f"Measured {datetime.date.today().isoformat()} on {machine}; load average {load_after} at the end.",
         f"PowerInfer: commit `{commit}` (https://github.com/SJTU-IPADS/PowerInfer), its `main`, built CPU-only with",
-        f"CMake `{' '.join(upstream.cmake_flags())}`.",
+        f"CMake `{' '.join(upstream.cmake_flags(args.isa))}`"
+        f"{'; powerinfer forced to AVX2 (POWERINFER_ISA=avx2)' if args.isa == 'avx2' else ''}.",
         f"File: `{args.model.name}` ({args.model.stat().st_size / 2**20:.0f} MiB), made by PowerInfer's convert.py and",
         f"`quantize ... Q4_0`: {types}.",
         f"{args.threads} thread{'s' if args.threads > 1 else ''}; prompt \"{args.prompt}\" ({len(prompt_ids)} tokens, as "
         f"PowerInfer's main tokenized it, fed to both); {args.n_gen} greedy tokens, i.e. {args.n_gen - 1} "
         f"single-token decode steps per run; medians of {args.reps} interleaved repetitions after one warm-up each.",
-        f"powerinfer's predictors chose {ours.active_share():.1%} of the FFN neurons per token on average "
-        f"(load time {ours.load_seconds:.0f} s).",
+        (dense_note or f"powerinfer's predictors chose {ours.active_share():.1%} of the FFN neurons per token on average ")
+        + f"(load time {ours.load_seconds:.0f} s).",
         "",
         *table,
         "",
@@ -239,26 +272,35 @@ def main() -> None:
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--n-ctx", type=int, default=512)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--isa", choices=upstream.ISAS,
+                        help="both engines on this instruction set only (default: the best each finds on this CPU)")
+    parser.add_argument("--mode", choices=("sparse", "dense"), default="sparse",
+                        help="dense: every FFN neuron, in both engines (see the docstring)")
     args = parser.parse_args()
     args.powerinfer, args.model = args.powerinfer.resolve(), args.model.resolve()
 
     if not Path(GNU_TIME).exists():
         sys.exit(f"{GNU_TIME} (GNU time) is needed for PowerInfer's peak RSS: apt-get install time")
+    if args.isa:  # before our kernels first run: the switch is read once per process
+        os.environ["POWERINFER_ISA"] = args.isa
     machine = machine_description()  # load average before anything of ours runs
-    upstream.build(args.powerinfer)
+    upstream.build(args.powerinfer, args.isa)
     if not args.model.exists():  # in a process of its own: this one's peak RSS is powerinfer's
-        subprocess.run([sys.executable, upstream.__file__, "--powerinfer", str(args.powerinfer), "--out", str(args.model)],
-                       check=True)
-    main_binary = upstream.binary(args.powerinfer, "main")
-    ours = Ours(args.model, args.threads, args.n_ctx)
+        subprocess.run([sys.executable, upstream.__file__, "--powerinfer", str(args.powerinfer), "--out", str(args.model),
+                        *(["--isa", args.isa] if args.isa else [])], check=True)
+    main_binary = upstream.binary(args.powerinfer, "main", args.isa)
+    dense = args.mode == "dense"
+    ours = Ours(args.model, args.threads, args.n_ctx, dense)
+    if args.isa and ours.isa != args.isa:
+        sys.exit(f"powerinfer runs {ours.isa}, not {args.isa}: this CPU lacks it, or the native operators are not built")
     original, our_runs = Runs(), Runs()
     prompt_ids: list[int] = []  # as PowerInfer's main tokenizes the prompt: ours then runs the same ids
     for rep in range(args.reps + 1):
         # alternate who goes first, so that a change in the machine's load hits both alike
         for engine in ("ours", "powerinfer") if rep % 2 else ("powerinfer", "ours"):
             if engine == "powerinfer":
-                seconds, steps, prompt_ids, rss = powerinfer_run(main_binary, args.model, args.prompt, args.n_gen,
-                                                                    args.threads, args.n_ctx)
+                seconds, steps, prompt_ids, rss, original.isa = powerinfer_run(main_binary, args.model, args.prompt,
+                                                                                 args.n_gen, args.threads, args.n_ctx, dense)
                 original.peak_rss = max(original.peak_rss, rss)
                 if rep:
                     original.timings.append((seconds, steps))
@@ -270,6 +312,7 @@ def main() -> None:
               f"{original.rates()[-1] if rep else float('nan'):.2f} tok/s, powerinfer "
               f"{our_runs.rates()[-1] if rep else float('nan'):.2f} tok/s", file=sys.stderr)
     our_runs.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    our_runs.isa = ours.isa
     load_after = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     text = section(args, machine, prompt_ids, original, ours, our_runs, load_after)
     print(text)

@@ -5,7 +5,7 @@ by its own converter and quantizer.
 
 `--powerinfer` is a PowerInfer source tree (`git clone https://github.com/SJTU-IPADS/PowerInfer`).
 Nothing of it is copied into this repository: its tools run from that tree, and its build goes to
-`<powerinfer>/build` (`main`, `quantize`).
+`<powerinfer>/build` (`main`, `quantize`), or `<powerinfer>/build-avx2` with `--isa avx2`.
 
 The file: a 7B-width (n_embd 4096, n_ff 11008, 32 heads) ReLU llama with 8 layers and random
 weights (transformers' LlamaForCausalLM, `save_pretrained`), llama's 32000-token SentencePiece
@@ -46,11 +46,19 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def cmake_flags() -> list[str]:
+# The instruction sets a build may be limited to (--isa): AVX2 means AVX, AVX2, FMA and F16C, and no
+# AVX-512, as on every AMD chip before Zen 4 and Intel's desktop chips since the 12th generation.
+ISAS = ("avx2",)
+
+
+def cmake_flags(isa: str | None = None) -> list[str]:
     """CPU-only, Release, the instruction sets this CPU has, named one by one: not -march=native,
     so that the same build serves on the Intel Xeons with AMX (where llama.cpp's native build
-    crashes; this Dec-2023 ggml has no AMX code, but nothing is left to chance)."""
+    crashes; this Dec-2023 ggml has no AMX code, but nothing is left to chance). `isa="avx2"` turns
+    AVX-512 off whatever the CPU has, to compare with our AVX2 path on any machine."""
     have = cpu_flags()
+    if isa == "avx2":
+        have = {flag for flag in have if not flag.startswith("avx512")}
     on = lambda flag, *needs: f"-D{flag}={'ON' if all(n in have for n in needs) else 'OFF'}"  # noqa: E731
     return ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CUBLAS=OFF", "-DLLAMA_NATIVE=OFF", "-DLLAMA_BUILD_TESTS=OFF",
             "-DLLAMA_BUILD_SERVER=OFF", on("LLAMA_AVX", "avx"), on("LLAMA_AVX2", "avx2"), on("LLAMA_FMA", "fma"),
@@ -58,21 +66,26 @@ def cmake_flags() -> list[str]:
             on("LLAMA_AVX512_VBMI", "avx512vbmi"), on("LLAMA_AVX512_VNNI", "avx512_vnni")]
 
 
-def binary(powerinfer: Path, name: str) -> Path:
-    return powerinfer / "build" / "bin" / name
+def build_dir(powerinfer: Path, isa: str | None = None) -> Path:
+    """One build folder per instruction-set choice, so that a native build is never taken for an AVX2 one."""
+    return powerinfer / ("build" if isa is None else f"build-{isa}")
 
 
-def build(powerinfer: Path) -> None:
+def binary(powerinfer: Path, name: str, isa: str | None = None) -> Path:
+    return build_dir(powerinfer, isa) / "bin" / name
+
+
+def build(powerinfer: Path, isa: str | None = None) -> None:
     """Configure and build PowerInfer's `main` and `quantize` (CPU only) unless they are built."""
-    if all(binary(powerinfer, name).exists() for name in BINARIES):
+    if all(binary(powerinfer, name, isa).exists() for name in BINARIES):
         return
     if not (powerinfer / "CMakeLists.txt").exists() or not (powerinfer / "convert.py").exists():
         sys.exit(f"{powerinfer} is not a PowerInfer source tree (git clone https://github.com/SJTU-IPADS/PowerInfer)")
-    log = powerinfer / "build" / "powerinfer-build.log"
+    log = build_dir(powerinfer, isa) / "powerinfer-build.log"
     log.parent.mkdir(exist_ok=True)
     print(f"building PowerInfer (CPU only) in {log.parent}, log in {log} ...", file=sys.stderr)
     with log.open("w") as out:
-        for command in (["cmake", "-S", str(powerinfer), "-B", str(log.parent), *cmake_flags()],
+        for command in (["cmake", "-S", str(powerinfer), "-B", str(log.parent), *cmake_flags(isa)],
                         ["cmake", "--build", str(log.parent), "--config", "Release", "-j", str(os.cpu_count()),
                          "--target", *BINARIES]):
             if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
@@ -185,11 +198,11 @@ def converter_python(powerinfer: Path) -> Path:
 
 
 def make_model(powerinfer: Path, out: Path, n_layers: int = 8, rank: int = 1024, active: float = 0.1,
-               seed: int = 0) -> None:
+               seed: int = 0, isa: str | None = None) -> None:
     """Write the test file to `out` (see the module's docstring); it appears only when complete."""
     from powerinfer.sparsity.predictors import save_predictors
 
-    build(powerinfer)
+    build(powerinfer, isa)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".powerinfer-model-") as scratch:
         scratch = Path(scratch)
@@ -202,7 +215,7 @@ def make_model(powerinfer: Path, out: Path, n_layers: int = 8, rank: int = 1024,
                         str(predictors)], check=True, stdout=subprocess.DEVNULL)
         print("PowerInfer quantize Q4_0 ...", file=sys.stderr)
         quantized = scratch / "model.q4_0.powerinfer.gguf"
-        subprocess.run([str(binary(powerinfer, "quantize")), str(f16), str(quantized), "Q4_0"], check=True,
+        subprocess.run([str(binary(powerinfer, "quantize", isa)), str(f16), str(quantized), "Q4_0"], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.replace(quantized, out)
     for (kind, type_name), count in sorted(tensor_types(out).items()):
@@ -218,8 +231,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=1024, help="predictor rank R (a multiple of 32, for Q4_0)")
     parser.add_argument("--active", type=float, default=0.1, help="fraction of neurons the predictors select")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--isa", choices=ISAS, help="build PowerInfer for this instruction set only (default: the CPU's)")
     args = parser.parse_args()
-    make_model(args.powerinfer.resolve(), args.out.resolve(), args.layers, args.rank, args.active, args.seed)
+    make_model(args.powerinfer.resolve(), args.out.resolve(), args.layers, args.rank, args.active, args.seed, args.isa)
 
 
 if __name__ == "__main__":

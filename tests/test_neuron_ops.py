@@ -72,6 +72,38 @@ def test_native_operators_equal_references(ggml_type, blocks, n_ff, tokens, seed
 
 
 @needs_native
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1, T.Q8_0])
+@pytest.mark.parametrize("blocks", [1, 2, 7, 8, 9, 17, 128])
+def test_simd_kernels_equal_scalar_kernels(ggml_type, blocks):
+    """Each SIMD path against the scalar one, on rows of block counts around the SIMD kernels' steps
+    (pairs of blocks, groups of 8 scales) and neuron counts around the 4 rows accumulated together:
+    the same integer products, so only float32 summation order differs."""
+    ops = native.load()
+    n_ff = 11
+    s, _ = random_store(blocks, ggml_type, n_ff, 32 * blocks, 32 * blocks)
+    x = torch.randn(1, 32 * blocks, generator=torch.Generator().manual_seed(blocks))
+    a = torch.randn(1, n_ff, generator=torch.Generator().manual_seed(blocks + 1))
+    everything = torch.arange(n_ff)
+    x_terms = x.abs() @ s.weights(s.up).abs().T
+    down_terms = a.abs() @ s.weights(s.down).abs()
+
+    def run():
+        return (ops.gather_matvec(s.records, s.up.as_list(), x, everything),
+                ops.accumulate_rows(s.records, s.down.as_list(), a, everything),
+                [N.sparse_ffn(s, FFNActivation.SILU_GATED, x, everything[:n]) for n in range(1, n_ff + 1)])
+
+    with native.instruction_set("scalar"):
+        matvec, accumulated, ffns = run()
+    for isa in native.instruction_sets()[:-1]:
+        with native.instruction_set(isa):
+            y, z, ys = run()
+        assert torch.all((y - matvec).abs() <= 1e-5 * x_terms + 1e-6), isa
+        assert torch.all((z - accumulated).abs() <= 1e-5 * down_terms + 1e-6), isa
+        for n, (got, want) in enumerate(zip(ys, ffns), 1):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()), msg=f"{isa}, {n} neurons")
+
+
+@needs_native
 @settings(max_examples=20, deadline=None)
 @given(ggml_type=st.sampled_from(sorted(K_QUANTS | {T.Q5_0, T.Q5_1})), blocks=st.integers(1, 3), n_ff=st.integers(1, 40),
        seed=st.integers(0, 1000), data=st.data())

@@ -201,12 +201,13 @@ constexpr int64_t PREFETCH_AHEAD = 4;
 
 QuantizedX quantize_x(const float* x, int64_t n_values) {
   const int64_t n_blocks = n_values / QK, groups = (n_blocks + 3) / 4;
+  const int64_t scale_blocks = (n_blocks + 7) / 8 * 8;  // the SIMD kernels read scales 8 blocks at a time
   QuantizedX out;
   out.x = x;
   out.q4.assign(groups * 4 * QK, 0);
   out.q8.assign(groups * 4 * QK, 0);
-  out.scale.assign(groups * 4, 0.0f);
-  out.sum.assign(groups * 4, 0.0f);
+  out.scale.assign(scale_blocks, 0.0f);
+  out.sum.assign(scale_blocks, 0.0f);
   out.sum16.assign(groups * 8, 0.0f);
   out.qsum16.assign(groups * 8, 0.0f);
   for (int64_t b = 0; b < n_blocks; ++b) {

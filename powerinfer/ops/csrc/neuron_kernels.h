@@ -32,7 +32,7 @@ struct Section {
 struct QuantizedX {
   std::vector<int8_t> q4;   // 4-bit rows: per 4 blocks, 64 partners of the low nibbles then 64 of the high
   std::vector<int8_t> q8;   // in order
-  std::vector<float> scale;  // per 32: the int8 scale
+  std::vector<float> scale;  // per 32: the int8 scale (scale and sum: zeros up to a multiple of 8 blocks)
   std::vector<float> sum;    // per 32: exact float32 sum of x
   std::vector<float> sum16;  // per 16: exact float32 sum of x
   std::vector<float> qsum16;  // per 16: sum of the int8 values

@@ -122,10 +122,91 @@ float dot_blocks(const uint8_t* rec, const Section& s, const QuantizedX& x) {
   return horizontal_sum(acc) + terms;
 }
 
-inline __m256 block_lanes(const uint16_t* halves, const float* x_scale, int64_t first, int64_t count) {
-  alignas(32) float v[8] = {};
-  for (int64_t i = 0; i < count; ++i) v[i] = half_to_float(reinterpret_cast<const uint8_t*>(halves + first + i)) * x_scale[first + i];
-  return _mm256_load_ps(v);
+// Up to 8 float16 values from p as float32 lanes; lanes past `count` are 0 (a row's last scales may
+// end its record, which a full 16-byte load would overrun).
+inline __m256 halves8(const uint16_t* p, int64_t count) {
+  if (count == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) uint16_t tail[8] = {};
+  std::memcpy(tail, p, 2 * count);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tail)));
+}
+
+// The scales of one group of up to 8 blocks of a 4- or 8-bit row, as float32 lanes (lane i: block
+// first + i), converted 8 at a time with F16C: one conversion per block in scalar code cost more
+// than the integer products themselves.
+struct GroupScales {
+  __m256 d, m;  // m: the offsets (Q4_1), -8 d (Q4_0), 0 (8-bit rows)
+
+  GroupScales(const uint8_t* rec, const Section& s, int64_t first, int64_t count) {
+    d = halves8(reinterpret_cast<const uint16_t*>(rec + s.d_off) + first, count);
+    m = s.bits == 8 ? _mm256_setzero_ps()
+        : s.m_off >= 0 ? halves8(reinterpret_cast<const uint16_t*>(rec + s.m_off) + first, count)
+                       : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+  }
+};
+
+constexpr int64_t GROUP = 8;  // blocks per GroupScales
+
+// lanes 0-3 <- lane i of v, lanes 4-7 <- lane i + 1
+inline __m256 pair_lanes(__m256 v, int64_t i) {
+  const __m256i lanes = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_set1_epi32(static_cast<int>(i)));
+  return _mm256_permutevar8x32_ps(v, lanes);
+}
+
+// 4-bit blocks i and i + 1 (i even) of a group (bytes: their 32 bytes) against x's partners xg of
+// the group's blocks: int32 lanes 0-3 hold block i's products, 4-7 block i + 1's. The nibbles
+// multiply x unsigned x signed; the two int16 results add without overflow (2 * 2 * 15 * 127 < 2^15)
+// before the one widening to int32.
+inline __m256i q4_pair(__m256i bytes, const int8_t* xg, int64_t i) {
+  const int8_t* partners = xg + (i / 4) * 4 * QK + (i % 4) * 16;  // QuantizedX::q4's order
+  const __m256i low = _mm256_maddubs_epi16(low_nibbles(bytes), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(partners)));
+  const __m256i high = _mm256_maddubs_epi16(high_nibbles(bytes), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(partners + 64)));
+  return _mm256_madd_epi16(_mm256_add_epi16(low, high), _mm256_set1_epi16(1));
+}
+
+// 8-bit block b against x: 8 int32 lanes summing to its product (|w| times x with w's sign, as
+// maddubs takes one unsigned operand).
+inline __m256i q8_block(const uint8_t* q, const int8_t* xq, int64_t b) {
+  const __m256i w = load32(q + b * QK);
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * QK));
+  return dot_bytes(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
+}
+
+// acc[0], acc[1] += the products of `count` blocks of a group (q: its values, factor: lane i holds
+// block i's d times x's scale). `count` is a constant GROUP in the main loop, so that the compiler
+// unrolls it; the last group of a row may be shorter. Two accumulators: two independent FMA chains.
+template <int64_t bits>
+inline void group_products(const uint8_t* q, const int8_t* xq, __m256 factor, int64_t count, __m256* acc) {
+  if constexpr (bits == 4) {
+    for (int64_t i = 0; i < count; i += 2) {
+      const __m256i bytes = i + 1 < count ? load32(q + i * 16) : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i * 16)));
+      acc[i / 2 % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_pair(bytes, xq, i)), pair_lanes(factor, i), acc[i / 2 % 2]);
+    }
+  } else {
+    alignas(32) float f[GROUP];
+    _mm256_store_ps(f, factor);
+    for (int64_t i = 0; i < count; ++i)
+      acc[i % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_block(q, xq, i)), _mm256_set1_ps(f[i]), acc[i % 2]);
+  }
+}
+
+// 4- and 8-bit rows: a group of 8 blocks per step; x's scales and sums are padded to whole groups.
+template <int64_t bits>
+float dot_split(const uint8_t* rec, const Section& s, const QuantizedX& x) {
+  const int64_t n_blocks = s.n_blocks();
+  const uint8_t* q = rec + s.q_off;
+  const int8_t* xq = bits == 4 ? x.q4.data() : x.q8.data();  // both: 32 bytes per block, in groups of 4 blocks
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, offsets = _mm256_setzero_ps();
+  for (int64_t first = 0; first < n_blocks; first += GROUP) {
+    const int64_t count = std::min(GROUP, n_blocks - first);
+    const GroupScales g(rec, s, first, count);
+    const __m256 factor = _mm256_mul_ps(g.d, _mm256_loadu_ps(x.scale.data() + first));
+    offsets = _mm256_fmadd_ps(g.m, _mm256_loadu_ps(x.sum.data() + first), offsets);
+    const uint8_t* qg = q + first * QK * bits / 8;
+    if (count == GROUP) group_products<bits>(qg, xq + first * QK, factor, GROUP, acc);
+    else group_products<bits>(qg, xq + first * QK, factor, count, acc);
+  }
+  return horizontal_sum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), offsets));
 }
 
 }  // namespace
@@ -133,83 +214,74 @@ inline __m256 block_lanes(const uint16_t* halves, const float* x_scale, int64_t 
 float dot(const uint8_t* rec, const Section& s, const QuantizedX& x) {
   if (s.bits == 32) return scalar::dot(rec, s, x);
   if (s.bits == 0) return dot_blocks(rec, s, x);
-  const int64_t n_blocks = s.n_blocks();
-  const uint8_t* q = rec + s.q_off;
-  const auto* d = reinterpret_cast<const uint16_t*>(rec + s.d_off);
-  const uint8_t* m = s.bits == 4 && s.m_off >= 0 ? rec + s.m_off : nullptr;
-  __m256 acc = _mm256_setzero_ps();
-  float offsets = 0.0f;
-  for (int64_t b = 0; b < n_blocks; b += 2) {  // two blocks: lanes 0-3 block b, 4-7 block b + 1
-    const int64_t in_pair = std::min<int64_t>(2, n_blocks - b);
-    const __m256 dv = block_lanes(d, x.scale.data(), b, in_pair);
-    const __m256 factor = _mm256_permutevar8x32_ps(dv, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-    __m256i sums = _mm256_setzero_si256();
-    if (s.bits == 4) {
-      const __m256i bytes = in_pair == 2 ? load32(q + b * 16) : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
-      const int8_t* xg = x.q4.data() + (b / 4) * 4 * QK + (b % 4) * 16;  // partners of blocks b, b + 1
-      sums = _mm256_add_epi32(dot_bytes(low_nibbles(bytes), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg))),
-                              dot_bytes(high_nibbles(bytes), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 64))));
-      for (int64_t i = 0; i < in_pair; ++i) {
-        const float dm = half_to_float(reinterpret_cast<const uint8_t*>(d + b + i));
-        offsets += (m ? half_to_float(m + 2 * (b + i)) : -8.0f * dm) * x.sum[b + i];
-      }
-    } else {
-      // per block: its 32 int8 weights against x's, |w| times x with w's sign (maddubs takes unsigned)
-      for (int64_t i = 0; i < in_pair; ++i) {
-        const __m256i w = load32(q + (b + i) * QK);
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q8.data() + (b + i) * QK));
-        const __m256i lanes = dot_bytes(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
-        // fold the 8 lanes of block b + i into lanes 4i .. 4i + 3
-        const __m256i folded = _mm256_add_epi32(lanes, _mm256_permute2x128_si256(lanes, lanes, 0x01));
-        const __m256i half = _mm256_blend_epi32(_mm256_setzero_si256(), folded, i == 0 ? 0x0F : 0xF0);
-        sums = _mm256_add_epi32(sums, half);
-      }
-    }
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), factor, acc);
-  }
-  return horizontal_sum(acc) + offsets;
+  return s.bits == 4 ? dot_split<4>(rec, s, x) : dot_split<8>(rec, s, x);
 }
 
 namespace {
 
-void axpy(const uint8_t* rec, const Section& s, float c, float* out) {
-  if (s.bits == 0) {
-    const BlockFormat& f = *s.format;
-    __m256i q[QK_K / 32];
-    float a[QK_K / QK_SUB], b[QK_K / QK_SUB];
-    for (int64_t i = 0; i < s.n_values / f.n; ++i) {
-      const uint8_t* block = rec + s.q_off + i * f.bytes;
-      axpy_coefficients(f, block, c, a, b);
-      unpack_block(f, block, q);
-      for (int64_t e = 0; e < f.n; e += 8) {  // 8 weights: half of a group of 16
-        const __m128i part = e % 32 < 16 ? _mm256_castsi256_si128(q[e / 32]) : _mm256_extracti128_si256(q[e / 32], 1);
-        const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(e % 16 ? _mm_srli_si128(part, 8) : part));
-        float* o = out + i * f.n + e;
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(w, _mm256_set1_ps(a[e / QK_SUB]), _mm256_add_ps(_mm256_loadu_ps(o), _mm256_set1_ps(b[e / QK_SUB]))));
-      }
+void axpy_blocks(const uint8_t* rec, const Section& s, float c, float* out) {
+  const BlockFormat& f = *s.format;
+  __m256i q[QK_K / 32];
+  float a[QK_K / QK_SUB], b[QK_K / QK_SUB];
+  for (int64_t i = 0; i < s.n_values / f.n; ++i) {
+    const uint8_t* block = rec + s.q_off + i * f.bytes;
+    axpy_coefficients(f, block, c, a, b);
+    unpack_block(f, block, q);
+    for (int64_t e = 0; e < f.n; e += 8) {  // 8 weights: half of a group of 16
+      const __m128i part = e % 32 < 16 ? _mm256_castsi256_si128(q[e / 32]) : _mm256_extracti128_si256(q[e / 32], 1);
+      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(e % 16 ? _mm_srli_si128(part, 8) : part));
+      float* o = out + i * f.n + e;
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(w, _mm256_set1_ps(a[e / QK_SUB]), _mm256_add_ps(_mm256_loadu_ps(o), _mm256_set1_ps(b[e / QK_SUB]))));
     }
+  }
+}
+
+// The 32 weights of block b of a 4- or 8-bit row as float32 integers, 8 per vector (before scale
+// and offset).
+inline void block_values(const uint8_t* q, int64_t bits, int64_t b, __m256* w) {
+  if (bits == 4) {
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + b * 16)));
+    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + b * 16 + 8)));
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, low));
+    w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, low));
+    w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
+    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
     return;
   }
-  if (s.bits == 32) {
-    const float* w = reinterpret_cast<const float*>(rec + s.q_off);
-    for (int64_t k = 0; k < s.n_values; ++k) out[k] += c * w[k];
-    return;
-  }
-  const uint8_t* q = rec + s.q_off;
-  for (int64_t b = 0; b < s.n_blocks(); ++b) {
-    const float d = half_to_float(rec + s.d_off + 2 * b);
-    const float m = s.bits == 8 ? 0.0f : s.m_off >= 0 ? half_to_float(rec + s.m_off + 2 * b) : -8.0f * d;
-    const __m256 vc = _mm256_set1_ps(c * d), vm = _mm256_set1_ps(c * m);
-    for (int part = 0; part < 4; ++part) {  // 8 weights at a time
-      __m256 w;
-      if (s.bits == 4) {
-        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + b * 16 + 8 * (part % 2))));
-        w = _mm256_cvtepi32_ps(part < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(bytes, 4));
-      } else {
-        w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + b * QK + 8 * part))));
+  for (int part = 0; part < 4; ++part)
+    w[part] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + b * QK + 8 * part))));
+}
+
+constexpr int MAX_ROWS = 4;  // rows accumulated together (sparse_ffn hands over 4 at a time)
+
+// out += sum_r c[r] * row r, 4- and 8-bit rows, n_rows <= MAX_ROWS: each block's 32 outputs are
+// loaded and stored once for all rows (one row at a time, those loads and stores bound the loop),
+// and their scales converted 8 blocks at a time.
+void axpy_split(const uint8_t* const* recs, const float* c, int n_rows, const Section& s, float* out) {
+  const int64_t n_blocks = s.n_blocks();
+  alignas(32) float cd[MAX_ROWS][GROUP], offset[GROUP];
+  for (int64_t first = 0; first < n_blocks; first += GROUP) {
+    const int64_t count = std::min(GROUP, n_blocks - first);
+    __m256 offsets = _mm256_setzero_ps();  // lane i: sum_r c[r] m_r of block first + i
+    for (int r = 0; r < n_rows; ++r) {
+      const GroupScales g(recs[r], s, first, count);
+      const __m256 cr = _mm256_set1_ps(c[r]);
+      _mm256_store_ps(cd[r], _mm256_mul_ps(g.d, cr));
+      offsets = _mm256_fmadd_ps(g.m, cr, offsets);
+    }
+    _mm256_store_ps(offset, offsets);
+    for (int64_t i = 0; i < count; ++i) {
+      float* o = out + (first + i) * QK;
+      __m256 acc[4];
+      for (int part = 0; part < 4; ++part) acc[part] = _mm256_add_ps(_mm256_loadu_ps(o + 8 * part), _mm256_set1_ps(offset[i]));
+      for (int r = 0; r < n_rows; ++r) {
+        __m256 w[4];
+        block_values(recs[r] + s.q_off, s.bits, first + i, w);
+        const __m256 scale = _mm256_set1_ps(cd[r][i]);
+        for (int part = 0; part < 4; ++part) acc[part] = _mm256_fmadd_ps(w[part], scale, acc[part]);
       }
-      float* o = out + b * QK + 8 * part;
-      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_fmadd_ps(w, vc, _mm256_loadu_ps(o)), vm));
+      for (int part = 0; part < 4; ++part) _mm256_storeu_ps(o + 8 * part, acc[part]);
     }
   }
 }
@@ -217,7 +289,12 @@ void axpy(const uint8_t* rec, const Section& s, float c, float* out) {
 }  // namespace
 
 void axpy_rows(const uint8_t* const* recs, const float* c, int n_rows, const Section& s, float* out) {
-  for (int r = 0; r < n_rows; ++r) axpy(recs[r], s, c[r], out);
+  if (s.bits == 32) return scalar::axpy_rows(recs, c, n_rows, s, out);
+  if (s.bits == 0) {
+    for (int r = 0; r < n_rows; ++r) axpy_blocks(recs[r], s, c[r], out);
+    return;
+  }
+  for (int r = 0; r < n_rows; r += MAX_ROWS) axpy_split(recs + r, c + r, std::min(MAX_ROWS, n_rows - r), s, out);
 }
 
 }  // namespace powerinfer::avx2
