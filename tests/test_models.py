@@ -11,7 +11,7 @@ from powerinfer.models.ffn import FFNOptions
 from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.kv_cache import CacheType
 
-from helpers import decode_logits, greedy, reference_logits
+from helpers import activation_rounding_factor, decode_logits, greedy, reference_logits
 
 N_CTX = 256
 
@@ -58,9 +58,9 @@ def test_quantized_gguf_matches_transformers_reading_same_file(tiny_llama, ids, 
     exact = engine_for(ggufs[outtype], float32=True).all_logits(ids)
     assert (exact - expected).abs().max().item() < 1e-4 * scale
     assert torch.equal(exact.argmax(-1), expected.argmax(-1))
-    # The fast path rounds activations to bfloat16 (llama.cpp rounds them to 8 bits).
+    # The fast path rounds activations to bfloat16, or on AVX2 to 8 bits (as llama.cpp does).
     fast = engine_for(ggufs[outtype]).all_logits(ids)
-    assert (fast - expected).abs().max().item() < 0.05 * scale
+    assert (fast - expected).abs().max().item() < 0.05 * activation_rounding_factor() * scale
 
 
 def test_greedy_continuation_equals_transformers(tiny_llama, ids):
