@@ -26,14 +26,22 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
-    """Keys from --api-key and --api-key-file (one a line; blank lines and # comments skipped)."""
+    """Keys from --api-key and --api-key-file (one a line; # comments skipped). An empty key is
+    refused: `--api-key "$KEY"` with KEY unset would otherwise let in every client sending no key."""
+    if any(not key.strip() for key in args.api_key):
+        raise PowerInferError("--api-key is empty (an unset variable?): give a key, or leave the flag out")
     keys = list(args.api_key)
     if args.api_key_file:
         try:
             with open(args.api_key_file, encoding="utf-8") as file:
-                keys += [line.strip() for line in file if line.strip() and not line.lstrip().startswith("#")]
+                lines = file.read().splitlines()
         except (OSError, UnicodeDecodeError) as error:
             raise PowerInferError(f"{args.api_key_file}: cannot read API keys: {error}") from None
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                raise PowerInferError(f"{args.api_key_file}: line {number} is empty (an empty key is no key)")
+            if not line.lstrip().startswith("#"):
+                keys.append(line.strip())
         if len(keys) == len(args.api_key):
             raise PowerInferError(f"{args.api_key_file}: no API keys in the file")
     if any(not key.isprintable() or " " in key for key in keys):
