@@ -3,8 +3,24 @@ beside generation, slow and idle connections, bodies and log lines proportional 
 
 from __future__ import annotations
 
-import pytest
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+
+from powerinfer import LLM
+from powerinfer.commands.serve import listen
+from powerinfer.gguf import open_gguf
+from powerinfer.server.app import create_app
+from powerinfer.server.connections import ConnectionLimits, server_config
+from powerinfer.tokenizer import Tokenizer
+
+from conftest import convert_each, make_tiny_llama
 from helpers import assert_one_line_error, powerinfer
 
 
@@ -20,3 +36,132 @@ def test_key_file_with_an_empty_line_is_refused_at_start_up(tmp_path, text):
     keys.write_text(text)
     result = powerinfer("serve", "-m", str(tmp_path / "never-read.gguf"), "--port", "0", "--api-key-file", str(keys))
     assert_one_line_error(result, f"{keys}: line", "is empty")
+
+
+# ---------------------------------------------------------------- a server over a tiny long-context model
+
+N_CTX = 16384
+
+
+@pytest.fixture(scope="module")
+def long_llm(tmp_path_factory, default_model) -> LLM:
+    """A tiny random ReLU llama with a 16k context (the default model's vocabulary): decode steps
+    and 16k-token embeddings take seconds, not minutes."""
+    folder = tmp_path_factory.mktemp("tiny-long")
+    make_tiny_llama(folder, "relu", overrides={"max_position_embeddings": N_CTX})
+    Tokenizer.from_gguf(open_gguf(default_model)).backend.save(str(folder / "tokenizer.json"))
+    return LLM(convert_each(folder, ("q8_0",))["q8_0"], n_ctx=N_CTX)
+
+
+class Serving:
+    """uvicorn serving `app` on a free loopback port from a thread, with our connection limits."""
+
+    def __init__(self, app, limits: ConnectionLimits = ConnectionLimits()):
+        sock = listen("127.0.0.1", 0)
+        self.address = sock.getsockname()[:2]
+        self.url = f"http://127.0.0.1:{self.address[1]}"
+        self.server = uvicorn.Server(server_config(app, limits, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+
+    @property
+    def scheduler(self):
+        return self.server.config.app.state.server.scheduler
+
+    def wait_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while (stats := self.scheduler.stats()).active or stats.queued or stats.sliced:
+            assert time.monotonic() < deadline, f"still busy after {timeout} s: {stats}"
+            time.sleep(0.01)
+
+    def __enter__(self) -> Serving:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def never_ending(llm: LLM) -> dict:
+    """Sampling fields that keep a random model generating: its end-of-generation tokens banned."""
+    return {"temperature": 0, "logit_bias": {str(i): -100 for i in llm.tokenizer.eog_ids}}
+
+
+def test_abandoned_requests_free_their_slots(long_llm):
+    """Eight non-streaming clients asking for 4000 tokens leave after 1 s (curl -m 1); a
+    legitimate request then completes within 5 s (it used to wait minutes behind them)."""
+    with Serving(create_app(long_llm, parallel=4)) as serving:
+        hostile = [("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4000, **never_ending(long_llm)}),
+                   ("/completion", {"prompt": "Once upon a time", "n_predict": 4000, **never_ending(long_llm)})] * 4
+
+        def abandon(route: str, body: dict) -> None:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(serving.url + route, json=body, timeout=httpx.Timeout(60, read=1))
+
+        with ThreadPoolExecutor(len(hostile)) as pool:
+            list(pool.map(lambda case: abandon(*case), hostile))
+        left = time.monotonic()
+        answer = httpx.post(f"{serving.url}/v1/completions", timeout=60,
+                            json={"prompt": "Hello", "max_tokens": 8, **never_ending(long_llm)})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8
+        assert time.monotonic() - left < 5
+        serving.wait_idle(5)
+        assert serving.scheduler.stats().generated_tokens < 8 * 4000 // 4
+
+
+def stream_gaps(url: str, llm: LLM, n: int = 40) -> list[float]:
+    """Seconds between the token events of one streamed completion of `n` tokens."""
+    arrivals = []
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                      json={"prompt": "The river", "max_tokens": n, "stream": True, **never_ending(llm)}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.perf_counter())
+    assert len(arrivals) >= n - 1
+    return [b - a for a, b in zip(arrivals[1:], arrivals[2:])]  # from the second token: the first waits for a prefill
+
+
+def embedding_input(n_inputs: int, length: int) -> list[list[int]]:
+    return [[(7919 * (i + 1) * (j + 1)) % 49152 for j in range(length)] for i in range(n_inputs)]
+
+
+def test_embeddings_run_beside_generation(long_llm):
+    """A 16k-token embedding request (4 inputs of 4096 tokens) in slices between decode steps:
+    a completion's inter-token latency stays within 3x its solo value while it runs."""
+    inputs = embedding_input(4, 4096)
+    with Serving(create_app(long_llm, parallel=2)) as serving, ThreadPoolExecutor(1) as pool:
+        solo = statistics.mean(stream_gaps(serving.url, long_llm))
+        embedding = pool.submit(httpx.post, f"{serving.url}/v1/embeddings", json={"input": inputs}, timeout=300)
+        deadline = time.monotonic() + 30
+        while serving.scheduler.stats().sliced == 0:
+            assert time.monotonic() < deadline and not embedding.done(), "the embedding never started"
+            time.sleep(0.005)
+        beside = statistics.mean(stream_gaps(serving.url, long_llm))
+        still_embedding = serving.scheduler.stats().sliced == 1
+        answer = embedding.result()
+    # the mean, not the median: an embedding run in one piece shows as one long gap
+    assert beside <= 3 * solo, f"inter-token latency {beside * 1e3:.1f} ms beside the embedding, {solo * 1e3:.1f} ms solo"
+    assert still_embedding, "the embedding ended before the stream: the stream was not measured beside it"
+    assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens"] == 4 * 4096
+    vectors = [item["embedding"] for item in answer.json()["data"]]
+    assert np.allclose(vectors, long_llm.embed(inputs), atol=1e-4)  # slicing changes nothing but rounding
+
+
+def test_embedding_is_cancelled_when_its_client_leaves(long_llm):
+    with Serving(create_app(long_llm, parallel=1)) as serving:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{serving.url}/v1/embeddings", json={"input": embedding_input(4, 4096)},
+                       timeout=httpx.Timeout(60, read=1))
+        serving.wait_idle(2)  # alone it runs for several seconds more
+
+
+def test_embedding_token_budget(long_llm):
+    with Serving(create_app(long_llm, max_embedding_tokens=1000)) as serving:
+        over = httpx.post(f"{serving.url}/v1/embeddings", json={"input": embedding_input(2, 501)})
+        assert over.status_code == 400 and over.json()["error"]["param"] == "input"
+        assert "1002 tokens" in over.json()["error"]["message"]
+        assert httpx.post(f"{serving.url}/v1/embeddings", json={"input": embedding_input(2, 500)}).status_code == 200
