@@ -151,6 +151,24 @@ def add_ray_options(parser: argparse.ArgumentParser) -> None:
                        help="GPUs per replica; each replica's --vram-budget is on its own GPU (default: 0)")
 
 
+def add_limit_options(parser: argparse.ArgumentParser) -> None:
+    """`serve`'s limits on clients (docs/serving.md, "Limits and timeouts")."""
+    group = parser.add_argument_group("limits", "what one client may take of the server")
+    group.add_argument("--read-timeout", type=number(float, 0, 3600, above=True), default=30.0, metavar="SECONDS",
+                       help="a request's headers, then its body, must each arrive within this long; slower ones "
+                            "get 408 and are closed (default: 30)")
+    group.add_argument("--keep-alive", type=number(float, 0, 3600, above=True), default=5.0, metavar="SECONDS",
+                       help="an idle kept-alive connection is closed after this long (default: 5)")
+    group.add_argument("--max-connections", type=number(int, 1, 1_000_000), default=256, metavar="N",
+                       help="beyond this many connections or requests in progress, requests get 503 (default: 256)")
+    group.add_argument("--max-body-memory", type=number(int, 1, 2**40), default=64 * 1024 * 1024, metavar="BYTES",
+                       help="bytes of all the request bodies being read at once; a body that would pass it gets 503 "
+                            "(default: 64 MiB)")
+    group.add_argument("--max-embedding-tokens", type=number(int, 1, 2**31), default=32768, metavar="N",
+                       help="tokens one /v1/embeddings request may ask for, its inputs together; more get 400 "
+                            "(default: 32768)")
+
+
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     """llama.cpp's sampling flags, range-checked here so that a bad value stops before the model loads."""
     parser.add_argument("--temp", type=non_negative_float, default=0.8, help="temperature; 0 = greedy (default: 0.8)")
@@ -249,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--watchdog", type=positive_float, default=120.0, metavar="SECONDS",
                        help="/health answers 503 when queued work has waited this long for a scheduler step (default: 120)")
     add_ray_options(serve)
+    add_limit_options(serve)
     ppl = commands.add_parser("perplexity", help="perplexity of a text file (llama.cpp's method)")
     add_model_options(ppl)
     ppl.add_argument("-f", "--file", required=True, help="text file (e.g. wikitext-2 test.txt)")

@@ -3,6 +3,7 @@ beside generation, slow and idle connections, bodies and log lines proportional 
 
 from __future__ import annotations
 
+import socket
 import statistics
 import threading
 import time
@@ -165,3 +166,106 @@ def test_embedding_token_budget(long_llm):
         assert over.status_code == 400 and over.json()["error"]["param"] == "input"
         assert "1002 tokens" in over.json()["error"]["message"]
         assert httpx.post(f"{serving.url}/v1/embeddings", json={"input": embedding_input(2, 500)}).status_code == 200
+
+
+# ---------------------------------------------------------------- connections
+
+QUICK = ConnectionLimits(read_timeout=1.0, keep_alive=1.0, max_connections=4)
+
+
+def read_until_closed(sock: socket.socket, timeout: float) -> tuple[bytes, float]:
+    """What the server sends until it closes the connection, and how long that took. A server
+    closing with part of our data unread resets the connection: what came before may be lost."""
+    sock.settimeout(timeout)
+    started, data = time.monotonic(), b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data, time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def quick(long_llm):
+    with Serving(create_app(long_llm, body_timeout=1.0, max_body_memory=1024 * 1024), QUICK) as serving:
+        yield serving
+
+
+def test_headers_sent_slowly_get_408_and_are_closed(quick):
+    with socket.create_connection(quick.address) as sock:
+        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        started = time.monotonic()
+        for _ in range(10):  # a header line every 0.2 s: the connection stays busy, never complete
+            try:
+                sock.sendall(b"X-Slow: yes\r\n")
+            except OSError:
+                break
+            time.sleep(0.2)
+        data, _ = read_until_closed(sock, 10)
+    assert data.startswith(b"HTTP/1.1 408")
+    assert time.monotonic() - started < 4
+
+
+def test_a_connection_that_sends_nothing_is_closed(quick):
+    with socket.create_connection(quick.address) as sock:
+        data, waited = read_until_closed(sock, 10)
+    assert data.startswith(b"HTTP/1.1 408") and waited < 4
+
+
+def test_idle_keep_alive_connection_is_closed(quick):
+    with socket.create_connection(quick.address) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        data, waited = read_until_closed(sock, 10)
+    assert data.startswith(b"HTTP/1.1 200") and waited < 4
+
+
+def test_body_sent_slowly_gets_408_and_the_connection_closes(quick):
+    with socket.create_connection(quick.address) as sock:
+        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"content\": \"")
+        started = time.monotonic()
+        for _ in range(15):  # a byte every 0.2 s: never the whole body
+            try:
+                sock.sendall(b"a")
+            except OSError:
+                break
+            time.sleep(0.2)
+        data, _ = read_until_closed(sock, 10)
+    assert data.startswith(b"HTTP/1.1 408") and b"--read-timeout" in data
+    assert time.monotonic() - started < 5
+
+
+def test_connections_beyond_the_limit_get_503(quick):
+    idle = [socket.create_connection(quick.address) for _ in range(QUICK.max_connections)]
+    try:
+        time.sleep(0.2)  # the server has accepted them
+        assert httpx.get(f"{quick.url}/health").status_code == 503
+    finally:
+        for sock in idle:
+            sock.close()
+    deadline = time.monotonic() + 5
+    while httpx.get(f"{quick.url}/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_memory_of_bodies_being_read_is_bounded(quick, caplog):
+    """Two clients each sending 600 KB of a 1 MB body: the second passes the server's 1 MiB for
+    bodies being read and is refused (503, and its connection closed); the first is still being
+    read; once they are gone, bodies are read again."""
+    head = (b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000\r\n\r\n")
+    first, second = socket.create_connection(quick.address), socket.create_connection(quick.address)
+    try:
+        first.sendall(head + b"x" * 600_000)
+        time.sleep(0.3)
+        second.sendall(head + b"x" * 600_000)
+        data, waited = read_until_closed(second, 10)
+        assert waited < 5 and (data == b"" or data.startswith(b"HTTP/1.1 503"))  # a reset may come before the 503
+        refusals = [r.getMessage() for r in caplog.records if "refused a request body" in r.getMessage()]
+        assert len(refusals) == 1 and "503" in refusals[0] and "--max-body-memory" in refusals[0]
+    finally:
+        first.close()
+        second.close()
+    assert httpx.post(f"{quick.url}/tokenize", json={"content": "hello"}).status_code == 200

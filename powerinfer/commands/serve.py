@@ -61,7 +61,8 @@ def allowed_hosts(args: argparse.Namespace) -> frozenset[str] | None:
 def app_options(args: argparse.Namespace) -> dict:
     """create_app's keywords from the flags, alike for one server and for each Ray replica."""
     return dict(parallel=args.parallel, allowed_hosts=allowed_hosts(args), api_keys=api_keys(args),
-                max_body_size=args.max_body_size, watchdog_seconds=args.watchdog)
+                max_body_size=args.max_body_size, watchdog_seconds=args.watchdog, body_timeout=args.read_timeout,
+                max_body_memory=args.max_body_memory, max_embedding_tokens=args.max_embedding_tokens)
 
 
 def checked_model(args: argparse.Namespace) -> Path:
@@ -87,6 +88,7 @@ def main(args: argparse.Namespace) -> int:
         import uvicorn
 
         from powerinfer.server.app import create_app
+        from powerinfer.server.connections import ConnectionLimits, server_config
     except ImportError as error:
         raise PowerInferError(f"the server needs the 'serve' extra (pip install 'powerinfer[serve]'): {error}") from None
     from powerinfer.commands.common import load_llm
@@ -111,7 +113,8 @@ def main(args: argparse.Namespace) -> int:
             app.state.server.begin_shutdown()
             super().handle_exit(sig, frame)
 
-    server = Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
+    limits = ConnectionLimits(args.read_timeout, args.keep_alive, args.max_connections)
+    server = Server(server_config(app, limits, log_level="info", timeout_graceful_shutdown=5))
     host, port = sock.getsockname()[:2]
     print(f"powerinfer serve: listening on http://{host}:{port} ({args.parallel} slots); loading the model ...",
           file=sys.stderr)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 from collections.abc import Collection
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from powerinfer.server.errors import error_body
 
+log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_SIZE = 8 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT = 30.0
 DEFAULT_MAX_BODY_MEMORY = 64 * 1024 * 1024
@@ -75,6 +77,7 @@ class RequestGate:
             try:
                 body = await self._read_body(headers, receive)
             except BodyRefused as refusal:  # the rest of the body is not read: the connection closes
+                log.warning("refused a request body from %s: %d %s", _client(scope), refusal.status, refusal.message)
                 await _answer(send, refusal.status, refusal.message,
                               "unavailable_error" if refusal.status == 503 else "invalid_request_error", close=True)
                 return
@@ -141,6 +144,11 @@ class RequestGate:
         finally:
             self.body_memory -= size
         return b"".join(chunks)
+
+
+def _client(scope: Scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "an unknown client"
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
