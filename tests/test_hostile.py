@@ -13,8 +13,12 @@ import httpx
 import numpy as np
 import pytest
 import uvicorn
+from starlette.testclient import TestClient
 
 from powerinfer import LLM
+from powerinfer.api.schemas import MAX_TOKEN_IDS
+from powerinfer.logs import MAX_LOGGED_CHARS
+from powerinfer.runtime.constraint import GrammarError, json_schema_grammar
 from powerinfer.commands.serve import listen
 from powerinfer.gguf import open_gguf
 from powerinfer.server.app import create_app
@@ -269,3 +273,63 @@ def test_memory_of_bodies_being_read_is_bounded(quick, caplog):
         first.close()
         second.close()
     assert httpx.post(f"{quick.url}/tokenize", json={"content": "hello"}).status_code == 200
+
+
+# ---------------------------------------------------------------- bodies: work and log lines bounded
+
+@pytest.fixture(scope="module")
+def client(long_llm):
+    with TestClient(create_app(long_llm, parallel=2)) as test_client:
+        yield test_client
+
+
+def nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_schema_nested_too_deep_for_the_grammar_library_is_refused(client):
+    with pytest.raises(GrammarError, match="unusable JSON schema"):
+        json_schema_grammar(nested_schema(64))
+    for levels in (30, 64):  # within the body's nesting limit (then the grammar's), and beyond it
+        answer = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "deep", "schema": nested_schema(levels)}}})
+        assert answer.status_code in (200, 400), answer.text
+    assert answer.status_code == 400 and "nested more than 64 levels" in answer.json()["error"]["message"]
+
+
+def test_tool_call_arguments_nested_5000_deep(client):
+    deep = "[" * 5000 + "]" * 5000
+    answer = client.post("/v1/chat/completions", json={"max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "f", "arguments": deep}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"}]})
+    assert answer.status_code == 200, answer.text
+
+
+def test_a_body_nested_5000_deep_gets_400(client):
+    answer = client.post("/v1/completions", content=b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                         headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400
+
+
+def test_millions_of_ids_are_refused_before_their_validation(client):
+    answer = client.post("/detokenize", content=b'{"tokens": [' + b"1," * 3_999_999 + b"1]}",
+                         headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400 and "524288 JSON values" in answer.json()["error"]["message"]
+    answer = client.post("/detokenize", json={"tokens": [1] * (MAX_TOKEN_IDS + 1)})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "tokens"
+    ids = list(range(MAX_TOKEN_IDS // 64))
+    assert client.post("/detokenize", json={"tokens": ids}).json()["content"] == client.app.state.server.llm.detokenize(ids)
+
+
+def test_log_lines_are_capped(client, caplog):
+    body = {"prompt": "hi", "max_tokens": 1, **{f"unknown_field_{i}": i for i in range(100_000)}}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    warnings = [r.getMessage() for r in caplog.records if "nobody defines" in r.getMessage()]
+    assert warnings and "100000 fields" in warnings[0]
+    assert max(len(r.getMessage()) for r in caplog.records) <= 2 * MAX_LOGGED_CHARS

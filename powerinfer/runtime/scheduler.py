@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from powerinfer.errors import PowerInferError
+from powerinfer.logs import failure_text
 from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.sequence import Completion, GenerationSequence, TokenLogprob
 
@@ -402,7 +403,7 @@ class Scheduler:
     def _fail(self, slot: int, error: Exception) -> None:
         """Fail the request in `slot`, with all its sequences."""
         if not isinstance(error, PowerInferError):
-            log.exception("generation failed", exc_info=error)
+            log.error("generation failed: %s", failure_text(error))
         if slot in self._active:
             request = self._active[slot][0]
             request.cancelled = True

@@ -27,6 +27,7 @@ from powerinfer.api.prepare import Prepared, prepare_chat, prepare_completion
 from powerinfer.api.replies import OpenAIReply, embedding_list
 from powerinfer.errors import PowerInferError
 from powerinfer.llm import LLM
+from powerinfer.logs import cap_log_values
 from powerinfer.runtime.scheduler import Scheduler
 from powerinfer.runtime.sequence import GenerationSequence
 from powerinfer.server.errors import APIError, install_handlers
@@ -124,6 +125,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
     """
     if parallel < 1:
         raise PowerInferError("parallel must be >= 1")
+    cap_log_values()
     state = ServerState(parallel, watchdog_seconds)
 
     def load(factory: Callable[[], LLM]) -> None:
@@ -206,10 +208,15 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
     @app.post("/detokenize")
     async def detokenize(body: schemas.DetokenizeRequest) -> dict:
         llm, _ = state.ready()
-        bad = [t for t in body.tokens if t >= llm.config.n_vocab]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is out of range (vocabulary of {llm.config.n_vocab})", param="tokens")
-        return {"content": llm.detokenize(body.tokens)}
+
+        def checked_text() -> str:  # proportional to the ids: in a worker thread
+            bad = next((t for t in body.tokens if t >= llm.config.n_vocab), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is out of range (vocabulary of {llm.config.n_vocab})",
+                               param="tokens")
+            return llm.detokenize(body.tokens)
+
+        return {"content": await run_in_threadpool(checked_text)}
 
     async def openai_answer(body: schemas.OpenAIRequest, prepare: Callable[[LLM, Any], Prepared],
                             request: Request, chat: bool) -> Response:
