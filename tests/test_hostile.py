@@ -3,11 +3,18 @@ beside generation, slow and idle connections, bodies and log lines proportional 
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import signal
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -333,3 +340,52 @@ def test_log_lines_are_capped(client, caplog):
     warnings = [r.getMessage() for r in caplog.records if "nobody defines" in r.getMessage()]
     assert warnings and "100000 fields" in warnings[0]
     assert max(len(r.getMessage()) for r in caplog.records) <= 2 * MAX_LOGGED_CHARS
+
+
+# ---------------------------------------------------------------- a model file changed while served
+
+def serve_file(model: Path) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, "-m", "powerinfer.cli", "serve", "-m", str(model), "--port", "0",
+                                "-c", "256", "--parallel", "1"], stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = re.search(r"listening on (http://\S+)", process.stderr.readline()).group(1)
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{url}/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return process, url
+
+
+def complete(url: str) -> str:
+    answer = httpx.post(f"{url}/completion", json={"prompt": "Hello", "n_predict": 8, "temperature": 0}, timeout=60)
+    return answer.json()["content"]
+
+
+def test_model_file_replaced_or_rewritten_while_served(long_llm, tmp_path):
+    """Replaced by a rename (mv, our own writers): the server keeps the file it mapped and answers
+    as before. Rewritten in place (truncated, as cp starts by doing): the next read of a lost page
+    kills it, but never silently."""
+    served = tmp_path / "model.gguf"
+    shutil.copy(long_llm.path, served)
+    process, url = serve_file(served)
+    try:
+        before = complete(url)
+        other = tmp_path / "other.gguf"
+        other.write_bytes(b"GGUF" + bytes(1000))
+        os.replace(other, served)
+        assert complete(url) == before
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    shutil.copy(long_llm.path, served)
+    process, url = serve_file(served)
+    try:
+        os.truncate(served, 4096)
+        with pytest.raises(httpx.TransportError):
+            complete(url)
+        assert process.wait(timeout=30) == -signal.SIGBUS
+        assert "Fatal Python error: Bus error" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

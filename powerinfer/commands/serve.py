@@ -4,6 +4,7 @@ app as a Ray Serve deployment of replicas (powerinfer/server/ray_app.py)."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import socket
 import sys
 from pathlib import Path
@@ -93,6 +94,9 @@ def main(args: argparse.Namespace) -> int:
         raise PowerInferError(f"the server needs the 'serve' extra (pip install 'powerinfer[serve]'): {error}") from None
     from powerinfer.commands.common import load_llm
 
+    # A model file rewritten in place while mapped (cp over it, truncate) faults on the next read
+    # of a missing page: say so on stderr, with every thread's stack, rather than die silently.
+    faulthandler.enable(all_threads=True)
     # A missing, foreign or unsupported file is refused before the server starts; rarer load
     # failures stop the server once it runs (it answers 503 on /health while loading).
     options = app_options(args)
