@@ -18,7 +18,7 @@ from powerinfer.models import load_model, read_config
 from powerinfer.models.ffn import FFNOptions, SparsityMode
 from powerinfer.runtime.constraint import Constraint
 from powerinfer.runtime.engine import Engine
-from powerinfer.runtime.kv_cache import CACHE_TYPES, CacheType
+from powerinfer.runtime.kv_cache import CACHE_TYPES, CacheType, cache_bytes, check_cache_fits
 from powerinfer.runtime.sampling import SamplingParams
 from powerinfer.runtime.sequence import Completion, GenerationSequence
 from powerinfer.tokenizer import Tokenizer
@@ -102,6 +102,9 @@ class LLM:
         self.n_batch = n_batch
         if self.n_ctx < 1:
             raise PowerInferError("n_ctx must be >= 1")
+        # Before anything sized by the context is allocated: a cache that can never be held is one line.
+        check_cache_fits(cache_bytes(self.config.n_layers, parallel, self.config.n_head_kv, self.n_ctx,
+                                     self.config.head_dim, torch.float16), parallel, self.n_ctx)
         if thresholds is not None and len(thresholds) != self.config.n_ffn_units:
             raise PowerInferError(f"{len(thresholds)} thresholds given for a model of {self.config.n_ffn_units} FFNs "
                                   "(one per layer, or per expert)")

@@ -27,6 +27,7 @@ from powerinfer.api.schemas import MAX_TOKEN_IDS
 from powerinfer.logs import MAX_LOGGED_CHARS
 from powerinfer.runtime.constraint import GrammarError, json_schema_grammar
 from powerinfer.commands.serve import listen
+from powerinfer.errors import ModelFileError
 from powerinfer.gguf import open_gguf
 from powerinfer.server.app import create_app
 from powerinfer.server.connections import ConnectionLimits, server_config
@@ -389,3 +390,55 @@ def test_model_file_replaced_or_rewritten_while_served(long_llm, tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+# ---------------------------------------------------------------- files that would fail later: one line at load
+
+def test_predictor_shapes_that_disagree_are_refused_at_load(tmp_path):
+    from gguf import GGMLQuantizationType as T
+
+    from powerinfer.gguf.writer import TensorData, write_gguf
+    from powerinfer.models.predictor import load_predictor
+
+    def predictor_file(fc1: tuple[int, int], fc2: tuple[int, int]) -> Path:
+        path = tmp_path / f"p{fc1}{fc2}.gguf"
+        write_gguf(path, "llama", {}, [TensorData(f"blk.0.{name}.weight", np.ones(shape, np.float32), T.F32)
+                                       for name, shape in (("fc1", fc1), ("fc2", fc2))])
+        return path
+
+    assert load_predictor(open_gguf(predictor_file((8, 96), (128, 8))), 0, shape=(96, 128)).nbytes > 0
+    with pytest.raises(ModelFileError, match=r"shapes \[8, 96\] and \[128, 4\]"):
+        load_predictor(open_gguf(predictor_file((8, 96), (128, 4))), 0)  # fc2 does not take fc1's rank
+    with pytest.raises(ModelFileError, match=r"needs \[R, 64\] and \[128, R\]"):
+        load_predictor(open_gguf(predictor_file((8, 96), (128, 8))), 0, shape=(64, 128))
+
+
+VOCABULARIES = {
+    "repeated": (["a", "b", "ab", "a"], ["a b"], "token 3 repeats token 0"),
+    "empty": (["a", "", "b", "ab"], ["a b"], "token 1 is empty"),
+    "merge without a space": (["a", "b", "ab"], ["ab"], "merge 0 ('ab') is not two tokens"),
+    "merge of unknown pieces": (["a", "b", "ab"], ["x y"], "merge 0 ('x y') is not two tokens"),
+    "merge of three pieces": (["a", "b", "ab", "c"], ["a b c"], "merge 0 ('a b c') is not two tokens"),
+}
+
+
+@pytest.mark.parametrize("case", VOCABULARIES)
+def test_broken_vocabularies_are_one_error(tmp_path, case):
+    from powerinfer.gguf.writer import write_gguf
+
+    tokens, merges, message = VOCABULARIES[case]
+    path = tmp_path / "vocab.gguf"
+    write_gguf(path, "llama", {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
+                               "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges}, [])
+    with pytest.raises(ModelFileError, match=re.escape(message)):
+        Tokenizer.from_gguf(open_gguf(path))
+
+
+@pytest.mark.parametrize("flags", [["-c", str(2**40)], ["--parallel", str(10**9)]])
+def test_a_kv_cache_that_cannot_be_held_is_refused_with_its_size(long_llm, flags):
+    assert_one_line_error(powerinfer("serve", "-m", str(long_llm.path), "--port", "0", *flags), "GiB", "lower -c or --parallel")
+
+
+def test_run_with_a_context_too_large_is_refused_with_its_size(long_llm):
+    assert_one_line_error(powerinfer("run", "-m", str(long_llm.path), "-p", "hi", "-n", "1", "-c", str(2**40)),
+                          "a KV cache of 1 slot(s) x 1099511627776 tokens needs")

@@ -67,13 +67,21 @@ def app_options(args: argparse.Namespace) -> dict:
 
 
 def checked_model(args: argparse.Namespace) -> Path:
-    """The model file; a missing, foreign or unsupported one is refused before any server starts."""
+    """The model file; a missing, foreign or unsupported one is refused before any server starts,
+    and so are -c and --parallel whose KV cache this machine can never hold (its float16 size)."""
+    import torch
+
     from powerinfer.commands.common import model_path
     from powerinfer.gguf.reader import open_gguf
+    from powerinfer.llm import DEFAULT_N_CTX
     from powerinfer.models import read_config
+    from powerinfer.runtime.kv_cache import cache_bytes, check_cache_fits
 
     path = model_path(args)
-    read_config(open_gguf(path))
+    config = read_config(open_gguf(path))
+    n_ctx = args.ctx_size or min(DEFAULT_N_CTX, config.n_ctx_train)
+    check_cache_fits(cache_bytes(config.n_layers, args.parallel, config.n_head_kv, n_ctx, config.head_dim,
+                                 torch.float16), args.parallel, n_ctx)
     return path
 
 
