@@ -3,6 +3,10 @@ beside generation, slow and idle connections, bodies and log lines proportional 
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
+import math
 import os
 import re
 import shutil
@@ -20,10 +24,13 @@ import httpx
 import numpy as np
 import pytest
 import uvicorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from powerinfer import LLM
 from powerinfer.api.schemas import MAX_TOKEN_IDS
+from powerinfer.cli import is_utf8
 from powerinfer.logs import MAX_LOGGED_CHARS
 from powerinfer.runtime.constraint import GrammarError, json_schema_grammar
 from powerinfer.commands.serve import listen
@@ -442,3 +449,72 @@ def test_a_kv_cache_that_cannot_be_held_is_refused_with_its_size(long_llm, flags
 def test_run_with_a_context_too_large_is_refused_with_its_size(long_llm):
     assert_one_line_error(powerinfer("run", "-m", str(long_llm.path), "-p", "hi", "-n", "1", "-c", str(2**40)),
                           "a KV cache of 1 slot(s) x 1099511627776 tokens needs")
+
+
+# ---------------------------------------------------------------- every flag's value space
+
+HOSTILE_VALUES = ["0", "1", "-1", "-0", "2", "65535", "65536", str(2**31), str(2**63), str(2**64), str(2**64 + 1),
+                  str(10**30), "-" + str(2**64), "1e308", "1e309", "inf", "-inf", "nan", "NaN", "0x10", "1_000",
+                  " 1", "", " ", "\udcff", "caf\udce9", "\x00", "1.5", "-1.5", "1e-320"]
+REQUIRED_ARGS = {"perplexity": ["-f", "t.txt"], "profile": ["-f", "t.txt", "-o", "out"],
+                 "train-predictors": ["-f", "t.txt", "-o", "out"], "place": ["--vram-budget", "1"],
+                 "convert": ["model"], "quantize": ["in.gguf", "out.gguf", "q4_0"], "inspect": ["x"]}
+
+
+@functools.cache
+def command_parsers() -> dict:
+    import argparse
+
+    from powerinfer.cli import build_parser
+
+    return next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def typed_flags() -> list[tuple[str, str]]:
+    """(command, flag) for every flag of every command that parses its value."""
+    return sorted({(name, action.option_strings[-1]) for name, sub in command_parsers().items()
+                   for action in sub._actions if action.option_strings and action.type is not None and action.nargs != 0})
+
+
+def parse_one(command: str, flag: str, value: str) -> tuple[int, str, object]:
+    """(exit status, stderr, parsed value) of `powerinfer COMMAND ... FLAG VALUE` at the command's parser."""
+    parser = command_parsers()[command]
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = parser.parse_args([*REQUIRED_ARGS.get(command, []), flag, value])
+    except SystemExit as stop:
+        return stop.code, stderr.getvalue(), None
+    return 0, stderr.getvalue(), getattr(args, parser._option_string_actions[flag].dest)
+
+
+@pytest.mark.parametrize("command, flag", typed_flags())
+@settings(max_examples=60, deadline=None)
+@given(value=st.sampled_from(HOSTILE_VALUES) | st.text(max_size=12) | st.integers().map(str)
+       | st.floats().map(repr))
+def test_every_flag_value_parses_or_is_one_line(command, flag, value):
+    """Any value of any flag: a sane parsed value, or one line and exit 2 (nothing reaches a command
+    that it would fail on with a traceback: NaN, infinities, integers beyond 64 bits, odd ports)."""
+    status, stderr, parsed = parse_one(command, flag, value)
+    if status != 0:
+        assert status == 2 and len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
+        return
+    for item in parsed if isinstance(parsed, list) else [parsed]:
+        if isinstance(item, float):
+            assert math.isfinite(item), (flag, value, item)
+        if isinstance(item, int):
+            assert -(2**63) <= item < 2**63, (flag, value, item)
+        if isinstance(item, str):
+            assert is_utf8(item), (flag, value)
+    if flag == "--port":
+        assert 0 <= parsed <= 65535
+
+
+def test_text_that_is_not_utf8_is_one_line(long_llm):
+    """Bytes that are not UTF-8 in -p (argv) and in chat's input (stdin); -f has its own check."""
+    result = subprocess.run([sys.executable, "-m", "powerinfer.cli", "run", "-m", str(long_llm.path), "-p", b"caf\xe9",
+                             "-n", "1"], capture_output=True, text=True, timeout=300)
+    assert_one_line_error(result, "-p/--prompt: is not valid UTF-8 text")
+    result = subprocess.run([sys.executable, "-m", "powerinfer.cli", "chat", "-m", str(long_llm.path), "-n", "1"],
+                            input=b"caf\xe9\n", capture_output=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.decode().strip() == "powerinfer chat: error: the input is not valid UTF-8 text"
