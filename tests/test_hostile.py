@@ -31,11 +31,11 @@ from starlette.testclient import TestClient
 from powerinfer import LLM
 from powerinfer.api.schemas import MAX_TOKEN_IDS
 from powerinfer.cli import is_utf8
-from powerinfer.logs import MAX_LOGGED_CHARS
-from powerinfer.runtime.constraint import GrammarError, json_schema_grammar
 from powerinfer.commands.serve import listen
 from powerinfer.errors import ModelFileError
 from powerinfer.gguf import open_gguf
+from powerinfer.logs import MAX_LOGGED_CHARS
+from powerinfer.runtime.constraint import GrammarError, json_schema_grammar
 from powerinfer.server.app import create_app
 from powerinfer.server.connections import ConnectionLimits, server_config
 from powerinfer.tokenizer import Tokenizer
@@ -76,11 +76,11 @@ def long_llm(tmp_path_factory, default_model) -> LLM:
 class Serving:
     """uvicorn serving `app` on a free loopback port from a thread, with our connection limits."""
 
-    def __init__(self, app, limits: ConnectionLimits = ConnectionLimits()):
+    def __init__(self, app, limits: ConnectionLimits | None = None):
         sock = listen("127.0.0.1", 0)
         self.address = sock.getsockname()[:2]
         self.url = f"http://127.0.0.1:{self.address[1]}"
-        self.server = uvicorn.Server(server_config(app, limits, log_level="warning"))
+        self.server = uvicorn.Server(server_config(app, limits or ConnectionLimits(), log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -104,7 +104,8 @@ def main(args: argparse.Namespace) -> int:
 
     # A model file rewritten in place while mapped (cp over it, truncate) faults on the next read
     # of a missing page: say so on stderr, with every thread's stack, rather than die silently.
-    faulthandler.enable(all_threads=True)
+    if sys.__stderr__ is not None:  # the process's own stderr, even while sys.stderr is replaced
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
     # A missing, foreign or unsupported file is refused before the server starts; rarer load
     # failures stop the server once it runs (it answers 503 on /health while loading).
     options = app_options(args)

@@ -16,6 +16,7 @@ from powerinfer.runtime.scheduler import Event, Request, Scheduler, SlicedCall
 from powerinfer.runtime.sequence import Completion, GenerationSequence
 from powerinfer.server.errors import error_body, from_exception
 
+
 class ClientGone(Exception):
     """The client of a non-streaming request disconnected before the answer was ready."""
 
