@@ -9,9 +9,8 @@ loop), so the callback must be quick and must not block. A request may also have
 callback, called once after each round of prefills and each decode step that delivered it
 events: the server queues a step's events and wakes its event loop once for all of them.
 
-`call(fn)` runs fn(engine) on the worker between steps, so the model is only ever driven from
-one thread. `call_sliced(steps)` runs long work (embeddings) the same way but in slices, one slice
-per loop turn beside the decode step: while sequences generate, a slice is sized to take about as
+`call_sliced(steps)` runs other work (embeddings) on the worker, so the model is only ever driven
+from one thread, in slices, one slice per loop turn beside the decode step: while sequences generate, a slice is sized to take about as
 long as a decode step, so their inter-token latency stays within about twice its solo value.
 """
 
@@ -117,7 +116,6 @@ class Scheduler:
         self.observer = observer
         self._waiting: deque[Request] = deque()
         self._active: dict[int, tuple[Request, int]] = {}  # slot -> (request, sequence index); worker only
-        self._calls: deque[tuple[Callable[[Engine], Any], Future]] = deque()
         self._sliced: deque[SlicedCall] = deque()
         self._step_seconds = 0.0  # the last decode step's duration: what a slice beside generation may take
         self._wake = threading.Condition()
@@ -153,16 +151,6 @@ class Scheduler:
             if request in self._waiting:
                 self._waiting.remove(request)
                 self._stats.queued = len(self._waiting)
-
-    def call(self, fn: Callable[[Engine], Any]) -> Future:
-        """Run fn(engine) on the worker thread between steps; the future holds its result or error."""
-        future: Future = Future()
-        with self._wake:
-            if self._stopping:
-                raise PowerInferError("the server is shutting down")
-            self._calls.append((fn, future))
-            self._wake.notify()
-        return future
 
     def call_sliced(self, steps: Callable[[Engine], Generator[int, int, Any]]) -> SlicedCall:
         """Run `steps(engine)` on the worker in slices: a generator primed with next(), then sent
@@ -220,16 +208,11 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not self._waiting and not self._active and not self._calls \
-                        and not self._sliced:
+                while not self._stopping and not self._waiting and not self._active and not self._sliced:
                     self._wake.wait()
                 if self._stopping:
                     break
                 admitted = self._admit()
-                calls, self._calls = self._calls, deque()
-            for fn, future in calls:
-                self._run_call(fn, future)
-                self._progressed()
             for slots, request in admitted:
                 self._prefill(slots, request)
                 self._progressed()
@@ -258,14 +241,6 @@ class Scheduler:
             admitted.append((slots, request))
         self._stats.queued, self._stats.active = len(self._waiting), len(self._active)
         return admitted
-
-    def _run_call(self, fn: Callable[[Engine], Any], future: Future) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn(self.engine))
-        except Exception as error:  # noqa: BLE001 - the caller gets it
-            future.set_exception(error)
 
     def _run_slice(self) -> None:
         """One slice of the first sliced call, which then goes to the back of their queue."""
@@ -415,13 +390,10 @@ class Scheduler:
             self._fail(slot, error)
         with self._wake:
             waiting, self._waiting = list(self._waiting), deque()
-            calls, self._calls = self._calls, deque()
             sliced, self._sliced = self._sliced, deque()
             self._stats.sliced = 0
         for request in waiting:
             self._send(request, Event(error=error))
-        for _, future in calls:
-            future.cancel()
         for call in sliced:
             if not call.future.cancel():  # running: cancel() refuses, so it fails instead
                 call.future.set_exception(error)
