@@ -10,8 +10,10 @@ callback, called once after each round of prefills and each decode step that del
 events: the server queues a step's events and wakes its event loop once for all of them.
 
 `call_sliced(steps)` runs other work (embeddings) on the worker, so the model is only ever driven
-from one thread, in slices, one slice per loop turn beside the decode step: while sequences generate, a slice is sized to take about as
-long as a decode step, so their inter-token latency stays within about twice its solo value.
+from one thread, in slices, one slice per loop turn beside the decode step. While sequences generate, a slice is sized to take about as
+long as a decode step, and slices take at most as much of the worker's time as decode steps do
+(a slice that cost more than a step waits out the difference in steps without one), so their
+inter-token latency stays within about twice its solo value.
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ class Scheduler:
         self._active: dict[int, tuple[Request, int]] = {}  # slot -> (request, sequence index); worker only
         self._sliced: deque[SlicedCall] = deque()
         self._step_seconds = 0.0  # the last decode step's duration: what a slice beside generation may take
+        self._slice_debt = 0.0  # seconds slices ran beside generation beyond what decode steps ran
         self._wake = threading.Condition()
         self._stopping = False
         self._stats = Stats()
@@ -222,7 +225,7 @@ class Scheduler:
                 self._decode_step()
                 self._progressed()
                 self._flush()
-            if self._sliced:
+            if self._sliced and (not self._active or self._slice_debt <= 0):
                 self._run_slice()
                 self._progressed()
         self._fail_all(PowerInferError("the server is shutting down"))
@@ -280,8 +283,11 @@ class Scheduler:
         except Exception as error:  # noqa: BLE001 - the caller gets it
             call.future.set_exception(error)
             return False
+        elapsed = time.perf_counter() - started
+        if self._active:
+            self._slice_debt += elapsed
         if done:
-            call.seconds_per_token = (time.perf_counter() - started) / done
+            call.seconds_per_token = elapsed / done
         return True
 
     def _prefill(self, slots: list[int], request: Request) -> None:
@@ -321,6 +327,7 @@ class Scheduler:
             started = time.perf_counter()
             logits = self.engine.decode([(s, self._sequence(s).last_token) for s in slots])
             elapsed = self._step_seconds = time.perf_counter() - started
+            self._slice_debt = max(0.0, self._slice_debt - elapsed)
         except Exception as error:  # noqa: BLE001 - fail this step's requests, keep serving
             for slot in slots:
                 self._fail(slot, error)
