@@ -24,6 +24,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from powerinfer.cli import build_parser
+from powerinfer.commands.serve import listen
 from powerinfer.server.app import create_app
 from powerinfer.server.ray_proxy import ReplicaFailureAnswers
 from powerinfer.server.replica import REPLICA_HEADER, label_series
@@ -379,16 +380,26 @@ def other_cluster(tmp_path_factory) -> Iterator[str]:
     """A Ray cluster already running on this machine (`ray start --head`), as an operator's would be."""
     temp = tmp_path_factory.mktemp("ray")
     ray_cli = [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
-    started = subprocess.run([*ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", "0",
+    with listen("127.0.0.1", 0) as probe:
+        port = probe.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    # without the RAY_ADDRESS this process's own Ray (the module's) may have set
+    environment = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    started = subprocess.run([*ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
                               "--num-cpus", "2", "--include-dashboard", "false", "--temp-dir", str(temp)],
-                             capture_output=True, text=True, timeout=180)
+                             capture_output=True, text=True, timeout=180, env=environment)
     assert started.returncode == 0, started.stderr
-    address = re.search(r"ray start --address='([^']+)'", started.stdout + started.stderr).group(1)
     try:
         yield address
     finally:
-        subprocess.run([*ray_cli, "stop", "--force"], capture_output=True, timeout=120,
-                       env={**os.environ, "RAY_ADDRESS": address})
+        # Only this cluster's processes (their command lines name its folder): `ray stop` would
+        # stop every Ray on the machine.
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if str(temp).encode() in cmdline.read_bytes():
+                    os.kill(int(cmdline.parent.name), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
 
 
 def serve_on_ray_command(model: Path, *extra: str, env: dict) -> tuple[subprocess.Popen, str]:
@@ -396,10 +407,12 @@ def serve_on_ray_command(model: Path, *extra: str, env: dict) -> tuple[subproces
     process = subprocess.Popen([sys.executable, "-m", "powerinfer.cli", "serve", "--ray", "-m", str(model), "-t", "1",
                                 "--num-cpus", "0.5", "-c", "256", "--port", "0", *extra],
                                stderr=subprocess.PIPE, text=True, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"})
+    lines = []
     for line in process.stderr:
         if match := re.search(r"listening on (http://\S+)", line):
             return process, match.group(1)
-    raise AssertionError(f"serve --ray exited with {process.wait()} before listening")
+        lines.append(line)
+    raise AssertionError(f"serve --ray exited with {process.wait()} before listening: {lines[-3:]}")
 
 
 @pytest.mark.slow
