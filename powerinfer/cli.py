@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -51,6 +52,8 @@ def number(kind: type, low: float | None = None, high: float | None = None, *, a
 
     def parse(text: str):
         value = kind(text)  # a ValueError becomes argparse's "invalid <kind> value"
+        if not math.isfinite(value) or abs(value) >= 2**63:  # NaN passes every comparison below
+            raise argparse.ArgumentTypeError(f"must be a finite number below 2^63, got {text}")
         ok = (low is None or (value > low if above else value >= low)) and \
              (high is None or (value < high if below else value <= high))
         if not ok:
@@ -66,6 +69,29 @@ non_negative_int = number(int, 0)
 positive_float = number(float, 0, above=True)
 non_negative_float = number(float, 0)
 unit_interval = number(float, 0, 1, below=True)
+
+
+MAX_THREADS = 4096  # torch refuses more than a C int, and no machine has more cores
+
+
+def is_utf8(text: str) -> bool:
+    """Whether `text` came from valid UTF-8: undecodable bytes of argv or stdin reach Python as lone
+    surrogates (PEP 383), which the tokenizer cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def utf8_text(text: str) -> str:
+    """An argparse type for text flags (see `is_utf8`)."""
+    if not is_utf8(text):
+        raise argparse.ArgumentTypeError("is not valid UTF-8 text")
+    return text
+
+
+utf8_text.__name__ = "text"
 
 
 def int_list(item: Callable[[str], int]) -> Callable[[str], list[int]]:
@@ -101,7 +127,7 @@ def add_model_source(parser: argparse.ArgumentParser, required: bool = False) ->
 
 def add_model_options(parser: argparse.ArgumentParser, ctx: bool = True, sparsity: bool = True) -> None:
     add_model_source(parser)
-    parser.add_argument("-t", "--threads", type=positive_int, help="CPU threads (default: torch's choice, the physical cores)")
+    parser.add_argument("-t", "--threads", type=number(int, 1, MAX_THREADS), help="CPU threads (default: torch's choice, the physical cores)")
     if ctx:
         parser.add_argument("-c", "--ctx-size", type=positive_int, help="context size in tokens (default: min(4096, training context))")
     parser.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", type=non_negative_int, metavar="N",
@@ -151,6 +177,24 @@ def add_ray_options(parser: argparse.ArgumentParser) -> None:
                        help="GPUs per replica; each replica's --vram-budget is on its own GPU (default: 0)")
 
 
+def add_limit_options(parser: argparse.ArgumentParser) -> None:
+    """`serve`'s limits on clients (docs/serving.md, "Limits and timeouts")."""
+    group = parser.add_argument_group("limits", "what one client may take of the server")
+    group.add_argument("--read-timeout", type=number(float, 0, 3600, above=True), default=30.0, metavar="SECONDS",
+                       help="a request's headers, then its body, must each arrive within this long; slower ones "
+                            "get 408 and are closed (default: 30)")
+    group.add_argument("--keep-alive", type=number(float, 0, 3600, above=True), default=5.0, metavar="SECONDS",
+                       help="an idle kept-alive connection is closed after this long (default: 5)")
+    group.add_argument("--max-connections", type=number(int, 1, 1_000_000), default=256, metavar="N",
+                       help="beyond this many connections or requests in progress, requests get 503 (default: 256)")
+    group.add_argument("--max-body-memory", type=number(int, 1, 2**40), default=64 * 1024 * 1024, metavar="BYTES",
+                       help="bytes of all the request bodies being read at once; a body that would pass it gets 503 "
+                            "(default: 64 MiB)")
+    group.add_argument("--max-embedding-tokens", type=number(int, 1, 2**31), default=32768, metavar="N",
+                       help="tokens one /v1/embeddings request may ask for, its inputs together; more get 400 "
+                            "(default: 32768)")
+
+
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     """llama.cpp's sampling flags, range-checked here so that a bad value stops before the model loads."""
     parser.add_argument("--temp", type=non_negative_float, default=0.8, help="temperature; 0 = greedy (default: 0.8)")
@@ -175,14 +219,14 @@ def add_generation_options(parser: argparse.ArgumentParser, chat: bool) -> None:
     add_model_options(parser)
     prompt = parser.add_mutually_exclusive_group()
     first = "the first user message" if chat else "prompt text (with -cnv: the first user message)"
-    prompt.add_argument("-p", "--prompt", help=first)
+    prompt.add_argument("-p", "--prompt", type=utf8_text, help=first)
     prompt.add_argument("-f", "--file", help=f"read {'the first user message' if chat else 'the prompt'} from this file")
-    parser.add_argument("-sys", "--system-prompt", "--system", dest="system",
+    parser.add_argument("-sys", "--system-prompt", "--system", dest="system", type=utf8_text,
                         help="system message" + ("" if chat else " (with -cnv)"))
     parser.add_argument("-n", "--n-predict", type=number(int, -1), default=-1,
                         help=f"tokens {'per reply' if chat else 'to generate'}; -1 = until the end of "
                              f"{'the turn' if chat else 'text'} or the context (default: -1)")
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--stop", action="append", default=[], type=utf8_text, help="stop string (repeatable)")
     add_sampling_options(parser)
 
 
@@ -235,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="HTTP server: OpenAI-compatible and llama.cpp-style routes, continuous batching")
     add_model_options(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    serve.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 = any free port)")
+    serve.add_argument("--port", type=number(int, 0, 65535), default=8080, help="port (default: 8080; 0 = any free port)")
     serve.add_argument("-np", "--parallel", type=positive_int, default=4,
                        help="sequences decoded together (KV-cache slots); more requests wait in a queue (default: 4)")
     serve.add_argument("--max-body-size", type=positive_int, default=8 * 1024 * 1024, metavar="BYTES",
@@ -249,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--watchdog", type=positive_float, default=120.0, metavar="SECONDS",
                        help="/health answers 503 when queued work has waited this long for a scheduler step (default: 120)")
     add_ray_options(serve)
+    add_limit_options(serve)
     ppl = commands.add_parser("perplexity", help="perplexity of a text file (llama.cpp's method)")
     add_model_options(ppl)
     ppl.add_argument("-f", "--file", required=True, help="text file (e.g. wikitext-2 test.txt)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Literal
 
@@ -18,7 +18,7 @@ from powerinfer.models import load_model, read_config
 from powerinfer.models.ffn import FFNOptions, SparsityMode
 from powerinfer.runtime.constraint import Constraint
 from powerinfer.runtime.engine import Engine
-from powerinfer.runtime.kv_cache import CACHE_TYPES, CacheType
+from powerinfer.runtime.kv_cache import CACHE_TYPES, CacheType, cache_bytes, check_cache_fits
 from powerinfer.runtime.sampling import SamplingParams
 from powerinfer.runtime.sequence import Completion, GenerationSequence
 from powerinfer.tokenizer import Tokenizer
@@ -102,6 +102,9 @@ class LLM:
         self.n_batch = n_batch
         if self.n_ctx < 1:
             raise PowerInferError("n_ctx must be >= 1")
+        # Before anything sized by the context is allocated: a cache that can never be held is one line.
+        check_cache_fits(cache_bytes(self.config.n_layers, parallel, self.config.n_head_kv, self.n_ctx,
+                                     self.config.head_dim, torch.float16), parallel, self.n_ctx)
         if thresholds is not None and len(thresholds) != self.config.n_ffn_units:
             raise PowerInferError(f"{len(thresholds)} thresholds given for a model of {self.config.n_ffn_units} FFNs "
                                   "(one per layer, or per expert)")
@@ -265,18 +268,47 @@ class LLM:
 
     def embed_with_counts(self, inputs: Sequence[str | Sequence[int]]) -> tuple[list[list[float]], int]:
         """`embed`'s vectors and the number of tokens they took."""
+        token_lists = self.embedding_ids(inputs)
+        steps = self.embedding_steps(token_lists)
+        next(steps)
+        try:
+            while True:
+                steps.send(self.n_batch)
+        except StopIteration as done:
+            return done.value, sum(map(len, token_lists))
+
+    def embedding_ids(self, inputs: Sequence[str | Sequence[int]]) -> list[list[int]]:
+        """The token ids of each text (or token-id list) to embed, checked."""
         if not inputs:
             raise PowerInferError("nothing to embed")
-        vectors, n_tokens = [], 0
+        token_lists = []
         for item in inputs:
             ids = self.tokenize(item) if isinstance(item, str) else [int(i) for i in item]
             self._check_ids(ids)
             if not ids:
                 raise PowerInferError("cannot embed an empty text")
-            hidden = self.engine.all_logits(ids, which="hidden")
-            vectors.append(torch.nn.functional.normalize(pool(hidden, self.pooling), dim=0).tolist())
-            n_tokens += len(ids)
-        return vectors, n_tokens
+            if len(ids) > self.n_ctx:
+                raise ContextOverflowError(f"a text of {len(ids)} tokens does not fit in the context of {self.n_ctx} "
+                                           "tokens")
+            token_lists.append(ids)
+        return token_lists
+
+    def embedding_steps(self, token_lists: Sequence[Sequence[int]]) -> Generator[int, int, list[list[float]]]:
+        """Embeds `token_lists` (from `embedding_ids`) slice by slice on this object's engine, so
+        that a server can run other work between slices. A generator: prime it with next(), then
+        send() each slice's size in tokens; it yields the tokens that slice evaluated and returns
+        the vectors."""
+        vectors = []
+        budget = yield 0
+        for ids in token_lists:
+            self.engine.release(0)
+            rows, start = [], 0
+            while start < len(ids):
+                rows.append(self.engine.extend(0, ids[start : start + max(1, budget)], which="hidden"))
+                start += len(rows[-1])
+                budget = yield len(rows[-1])
+            vectors.append(torch.nn.functional.normalize(pool(torch.cat(rows), self.pooling), dim=0).tolist())
+        return vectors
 
     @cached_property
     def pooling(self) -> int:

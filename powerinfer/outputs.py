@@ -7,13 +7,17 @@
   `.<target name>.<pid>.<random>.part`: the next write to the same target removes those whose
   process is gone from this machine, and names any other in a warning.
 - A folder output (predictors, activation statistics) owns some names (`OwnedNames`). Replacing
-  it with `--force` replaces and removes only files with those names; anything else stays.
+  it with `--force` replaces and removes only files with those names; anything else stays. The new
+  set appears all at once: the other files join the new folder, which then swaps places with the
+  old one in one rename (never a mix of old and new files, whenever the writer is killed).
+- A folder output that is a symbolic link is written where the link points (the link stays).
 - Temporaries are created with modes 0o666 / 0o777 less the umask, as `open()` and `mkdir` would:
   `tempfile`'s 0600 / 0700 would stay with the output after the rename.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import re
@@ -148,10 +152,12 @@ def atomic_file(path: str | os.PathLike[str], replace: bool = True) -> Iterator[
 @contextmanager
 def atomic_directory(target: str | os.PathLike[str], owned: OwnedNames, replace: bool = True) -> Iterator[Path]:
     """A temporary folder next to `target` whose files (all named as `owned` says) end up in
-    `target` only if the block completes. A missing or empty `target` is swapped in whole; a
-    non-empty one, only when `replace`, gets our files moved in one by one and loses our files that
-    the new set lacks, while files we do not own stay."""
+    `target` only if the block completes. A missing or empty `target` is replaced by it; a
+    non-empty one, only when `replace`, swaps places with it at once, keeping the files we do not
+    own (see the module docstring)."""
     target = Path(target)
+    if target.is_symlink():  # written where it points: renaming over the link itself would fail at the end
+        target = target.resolve()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -170,7 +176,7 @@ def atomic_directory(target: str | os.PathLike[str], owned: OwnedNames, replace:
                 raise
             if not replace:
                 raise OutputExistsError(f"{target}: the folder is not empty; {FORCE_HINT}") from None
-            _merge(staging, target, owned)
+            _swap_in(staging, target, owned)
     except OSError as error:
         raise _cannot_write(target, error) from None
     finally:
@@ -178,11 +184,44 @@ def atomic_directory(target: str | os.PathLike[str], owned: OwnedNames, replace:
             shutil.rmtree(staging)
 
 
-def _merge(staging: Path, target: Path, owned: OwnedNames) -> None:
-    new = {entry.name for entry in staging.iterdir()}
-    for name in sorted(new):
-        os.replace(staging / name, target / name)
+def _swap_in(staging: Path, target: Path, owned: OwnedNames) -> None:
+    """Make `staging` the whole new `target`: the files of `target` we do not own join it (hard
+    links where the file system allows, else copies), then the two folders swap places."""
     for entry in target.iterdir():
-        if entry.name not in new and owned.owns(entry.name) and entry.is_file():
-            entry.unlink()  # ours from an earlier run (a model with more layers)
-    staging.rmdir()
+        if owned.owns(entry.name) and entry.is_file():
+            continue  # ours from an earlier run: the new set replaces them
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, staging / entry.name, symlinks=True)
+            continue
+        try:
+            os.link(entry, staging / entry.name, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(entry, staging / entry.name, follow_symlinks=False)
+    os.chmod(staging, target.stat().st_mode & 0o7777)
+    if not _exchange(staging, target):
+        # Without an atomic exchange: two renames; a kill between them leaves the new set in the
+        # temporary and the old one in `old`, both named in the next write's warning, never mixed.
+        old = _temporary(target)
+        os.rename(target, old)
+        os.rename(staging, target)
+        staging = old
+    shutil.rmtree(staging)  # the old set now
+
+
+RENAME_EXCHANGE = 2  # linux/fs.h
+AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux's renameat2 with RENAME_EXCHANGE, which Python's os module
+    lacks); False where the system or file system does not offer it."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer as Backend
 from powerinfer.chat_template import ChatTemplate
 from powerinfer.errors import ModelFileError, UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
+from powerinfer.logs import capped
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -101,6 +102,28 @@ def _sentencepiece_backend(tokens: list[str], scores: list[float], types: list[i
     return backend
 
 
+def _check_tokens(path: object, tokens: list[str]) -> None:
+    """Refuse what the tokenizer library cannot map both ways: an empty token or a repeated one (no
+    vocabulary llama.cpp ships has either)."""
+    first: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        if not token:
+            raise ModelFileError(f"{path}: tokenizer token {i} is empty")
+        if token in first:
+            raise ModelFileError(f"{path}: tokenizer token {i} repeats token {first[token]} ({capped(repr(token), 60)})")
+        first[token] = i
+
+
+def _check_merges(path: object, merges: list[str], tokens: list[str]) -> None:
+    """Each BPE merge is two vocabulary pieces separated by one space, and joins into a piece."""
+    vocabulary = set(tokens)
+    for i, merge in enumerate(merges):
+        parts = merge.split(" ") if isinstance(merge, str) else []
+        if len(parts) != 2 or not all(part in vocabulary for part in parts):
+            raise ModelFileError(f"{path}: tokenizer merge {i} ({capped(repr(merge), 60)}) is not two tokens of "
+                                 "the vocabulary separated by a space")
+
+
 class Tokenizer:
     """Text <-> token ids for one model, plus its special tokens and chat template."""
 
@@ -135,10 +158,12 @@ class Tokenizer:
             raise ModelFileError(f"{gguf.path}: invalid tokenizer token types")
         if len(types) != len(tokens):
             raise ModelFileError(f"{gguf.path}: tokenizer has {len(tokens)} tokens but {len(types)} token types")
+        _check_tokens(gguf.path, tokens)
         if kind == "gpt2":
             merges = gguf.get("tokenizer.ggml.merges")
             if not merges:
                 raise ModelFileError(f"{gguf.path}: BPE tokenizer without merges")
+            _check_merges(gguf.path, merges, tokens)
             backend = _byte_level_backend(tokens, merges, gguf.get("tokenizer.ggml.pre", "default"))
             default_add_bos = False
         elif kind == "llama":

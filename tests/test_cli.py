@@ -134,7 +134,7 @@ def test_prompt_longer_than_context(default_model):
 @pytest.mark.parametrize("flags, fragment", [
     (["run", "-p", "x", "--bogus"], "unrecognized arguments: --bogus"),
     (["run", "-p", "x", "--temp", "warm"], "invalid float value"),
-    (["run", "-p", "x", "-t", "0"], "must be >= 1"),
+    (["run", "-p", "x", "-t", "0"], "must be in [1, 4096]"),
     (["run"], "required"),
     (["fly"], "invalid choice"),
     (["run", "-p", "x", "-ctk", "q8_0"], "invalid choice: 'q8_0'"),

@@ -253,3 +253,57 @@ def test_atomic_directory_leaves_nothing_when_the_block_fails(tmp_path):
             (staging / "model_0.pt").write_bytes(b"x")
             raise RuntimeError("writer failed")
     assert list(tmp_path.iterdir()) == []
+
+
+# -- a forced replacement appears all at once; mixed sets are refused; symlinked folders ----------
+
+KILLED_SWAP_WRITER = """
+import os, signal, sys
+import torch
+from powerinfer.sparsity.predictors import TrainedPredictor, save_predictors
+
+calls = []
+def move_then_die(original):
+    def move(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # kill -9 while files are moved into place
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args, **kwargs)
+    return move
+os.replace, os.rename, os.link = (move_then_die(f) for f in (os.replace, os.rename, os.link))
+torch.manual_seed(1)
+save_predictors(sys.argv[1], [TrainedPredictor(torch.randn(4, 8), torch.randn(16, 4), 0.5) for _ in range(5)])
+"""
+
+
+def test_forced_replacement_killed_midway_leaves_one_whole_set(tmp_path):
+    folder = tmp_path / "predictors"
+    save_predictors(folder, predictors(3))
+    (folder / "notes.txt").write_text("keep me")
+    subprocess.run([sys.executable, "-c", KILLED_SWAP_WRITER, str(folder)], capture_output=True, timeout=120)
+    names = sorted(p.name for p in folder.iterdir())
+    assert names in (["config.json", *[f"model_{i}.pt" for i in range(n)], "notes.txt"] for n in (3, 5))
+    assert len(load_predictors(folder).fc1) in (3, 5)  # one run's files, never a mix
+    assert (folder / "notes.txt").read_text() == "keep me"
+
+
+def test_predictor_set_mixed_from_two_runs_is_refused(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    save_predictors(first, predictors(3))
+    save_predictors(second, predictors(3))
+    (first / "model_1.pt").write_bytes((second / "model_1.pt").read_bytes())
+    with pytest.raises(PowerInferError, match="model_1.pt: not the file config.json lists"):
+        load_predictors(first)
+    (second / "model_2.pt").unlink()
+    with pytest.raises(PowerInferError, match="differ from those config.json lists"):
+        load_predictors(second)
+
+
+def test_output_folder_that_is_a_symlink_to_an_empty_folder(tmp_path):
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real)
+    save_predictors(check_output_dir(link, PREDICTOR_FILES, force=False), predictors(2), replace=False)
+    assert link.is_symlink() and sorted(p.name for p in real.iterdir()) == ["config.json", "model_0.pt", "model_1.pt"]
+    save_predictors(link, predictors(1), replace=True)  # a forced replacement through the link
+    assert link.is_symlink() and len(load_predictors(link).fc1) == 1

@@ -6,8 +6,11 @@ name on answers and metrics, and the proxy middleware's answers for replicas tha
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -21,6 +24,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from powerinfer.cli import build_parser
+from powerinfer.commands.serve import listen
 from powerinfer.server.app import create_app
 from powerinfer.server.ray_proxy import ReplicaFailureAnswers
 from powerinfer.server.replica import REPLICA_HEADER, label_series
@@ -326,3 +330,127 @@ def test_serve_ray_flags_refused_in_one_line(argv, message, capsys, monkeypatch)
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+# --- the CLI's Ray lifetime: a private Ray by default, our application removed from a cluster --------
+
+APPLICATIONS = """
+import json, sys, ray
+from ray import serve
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+named = ray.util.list_named_actors(all_namespaces=True)
+print(json.dumps(sorted(serve.status().applications) if any(a["namespace"] == "serve" for a in named) else []))
+"""
+
+
+def applications_on(address: str) -> list[str]:
+    """The Serve applications running on the Ray cluster at `address` (asked from a child process:
+    this one may be connected to another Ray)."""
+    result = subprocess.run([sys.executable, "-c", APPLICATIONS, address], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def descendants(pid: int) -> set[int]:
+    """Processes below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def other_cluster(tmp_path_factory) -> Iterator[str]:
+    """A Ray cluster already running on this machine (`ray start --head`), as an operator's would be."""
+    temp = tmp_path_factory.mktemp("ray")
+    ray_cli = [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
+    with listen("127.0.0.1", 0) as probe:
+        port = probe.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    # without the RAY_ADDRESS this process's own Ray (the module's) may have set
+    environment = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    started = subprocess.run([*ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                              "--num-cpus", "2", "--include-dashboard", "false", "--temp-dir", str(temp)],
+                             capture_output=True, text=True, timeout=180, env=environment)
+    assert started.returncode == 0, started.stderr
+    try:
+        yield address
+    finally:
+        # Only this cluster's processes (their command lines name its folder): `ray stop` would
+        # stop every Ray on the machine.
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if str(temp).encode() in cmdline.read_bytes():
+                    os.kill(int(cmdline.parent.name), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+
+
+def serve_on_ray_command(model: Path, *extra: str, env: dict) -> tuple[subprocess.Popen, str]:
+    """`powerinfer serve --ray` in a child process, and its URL once it serves."""
+    process = subprocess.Popen([sys.executable, "-m", "powerinfer.cli", "serve", "--ray", "-m", str(model), "-t", "1",
+                                "--num-cpus", "0.5", "-c", "256", "--port", "0", *extra],
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"})
+    lines = []
+    for line in process.stderr:
+        if match := re.search(r"listening on (http://\S+)", line):
+            return process, match.group(1)
+        lines.append(line)
+    raise AssertionError(f"serve --ray exited with {process.wait()} before listening: {lines[-3:]}")
+
+
+@pytest.mark.slow
+@needs_ray
+def test_serve_ray_without_address_starts_a_private_ray_that_dies_with_it(default_model, other_cluster):
+    # Ray's own default would join the cluster RAY_ADDRESS names (or the last `ray start`'s).
+    process, url = serve_on_ray_command(default_model, env={"RAY_ADDRESS": other_cluster})
+    try:
+        answer = httpx.post(f"{url}/completion", json={"prompt": "Hello", "n_predict": 2}, timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert applications_on(other_cluster) == []  # nothing of ours on the cluster already running
+        ours = descendants(process.pid)
+        assert ours, "the private Ray's processes were not started by the command"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) == 0
+        deadline = time.monotonic() + 60
+        while left := [pid for pid in ours if alive(pid)]:
+            assert time.monotonic() < deadline, f"Ray processes outlived the command: {left}"
+            time.sleep(0.2)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/health", timeout=5)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.slow
+@needs_ray
+def test_serve_ray_with_address_deletes_its_application_on_exit(default_model, other_cluster):
+    process, url = serve_on_ray_command(default_model, "--address", other_cluster, env={})
+    try:
+        assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+        assert applications_on(other_cluster) == ["powerinfer"]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) == 0
+        assert applications_on(other_cluster) == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -739,7 +739,7 @@ def test_serve_flags(tmp_path):
 
     parse = build_parser().parse_args
     keys = tmp_path / "keys.txt"
-    keys.write_text("# the team's keys\nsecond\n\nthird\n")
+    keys.write_text("# the team's keys\nsecond\nthird\n")
     assert api_keys(parse(["serve", "--api-key", "first", "--api-key-file", str(keys)])) == ["first", "second", "third"]
     keys.write_text("# none\n")
     with pytest.raises(PowerInferError, match="no API keys"):

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,22 @@ TopK = Annotated[int, Field(ge=0)]
 RepeatPenalty = Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])]
 StopText = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
 Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None
-TokenIds = list[Annotated[int, Field(ge=0, lt=2**31)]]
+# Lists are counted before their items are validated (pydantic checks max_length only after), so
+# an oversized list costs its parsing, not its validation, on the event loop.
+MAX_TOKEN_IDS = 1 << 18
+MAX_MESSAGES = 1 << 14
+
+
+def at_most(limit: int) -> BeforeValidator:
+    def check(value: Any) -> Any:
+        if isinstance(value, list) and len(value) > limit:
+            raise ValueError(f"at most {limit} items, got {len(value)}")
+        return value
+
+    return BeforeValidator(check)
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], at_most(MAX_TOKEN_IDS)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
@@ -56,18 +71,27 @@ class Body(BaseModel):
         return data
 
 
+MAX_JSON_VALUES = 1 << 19  # values in one body: the budget of the walk below and of the validation after it
+MAX_JSON_DEPTH = 64  # nesting of arrays and objects in one body
+
+
 def _check_unicode(value: Any) -> None:
-    """Refuse strings holding UTF-16 surrogates, anywhere in the JSON value."""
-    if isinstance(value, str):
-        if SURROGATE.search(value):
-            raise ValueError("text holds a lone UTF-16 surrogate (not valid Unicode)")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_unicode(key)
-            _check_unicode(item)
-    elif isinstance(value, list):
-        for item in value:
-            _check_unicode(item)
+    """Refuse strings holding UTF-16 surrogates, anywhere in the JSON value; and values with more
+    than MAX_JSON_VALUES parts or nested deeper than MAX_JSON_DEPTH (iterative: any depth is safe)."""
+    pending, counted = [(value, 0)], 1
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, str):
+            if SURROGATE.search(item):
+                raise ValueError("text holds a lone UTF-16 surrogate (not valid Unicode)")
+        elif isinstance(item, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise ValueError(f"the body is nested more than {MAX_JSON_DEPTH} levels deep")
+            counted += 2 * len(item) if isinstance(item, dict) else len(item)
+            if counted > MAX_JSON_VALUES:  # counted before walking: an oversized list costs nothing more
+                raise ValueError(f"the body holds more than {MAX_JSON_VALUES} JSON values")
+            parts = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            pending.extend((part, depth + 1) for part in parts if isinstance(part, (str, dict, list)))
 
 
 class Sampling(Body):
@@ -181,7 +205,7 @@ class OpenAIRequest(Sampling):
     def _note_unknown(self) -> OpenAIRequest:
         unknown = sorted(set(self.model_extra or {}) - set(self.UNSUPPORTED))
         if unknown:
-            log.warning("ignoring fields nobody defines: %s", ", ".join(unknown))
+            log.warning("ignoring %d fields nobody defines: %s", len(unknown), ", ".join(unknown[:20]))
         return self
 
     @property
@@ -269,7 +293,7 @@ class ChatRequest(OpenAIRequest):
         "service_tier": lambda v: v in (None, "auto", "default"),
     }
 
-    messages: Annotated[list[Message], Field(min_length=1)]
+    messages: Annotated[list[Message], Field(min_length=1), at_most(MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None

@@ -42,7 +42,7 @@ class ToolFormat:
             body = body[len(self.prefix.strip()) : len(body) - len(self.suffix.strip())]
         try:
             call = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
             return None
         if not isinstance(call, dict) or call.get("name") not in self.names or not isinstance(call.get("arguments"), dict):
             return None
@@ -126,5 +126,5 @@ def _template_message(message: Message, knows_tools: bool) -> dict[str, Any]:
 def _arguments(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes: kept as text
         return text

@@ -11,8 +11,9 @@ import argparse
 import signal
 import sys
 
-from powerinfer.cli import sampling_from_args
+from powerinfer.cli import is_utf8, sampling_from_args
 from powerinfer.commands.common import load_llm, max_tokens, read_prompt
+from powerinfer.errors import PowerInferError
 
 COMMANDS = {
     "/help": "show these commands",
@@ -145,6 +146,8 @@ def main(args: argparse.Namespace) -> int:
         line = line.strip()
         if not line:
             continue
+        if not is_utf8(line):
+            raise PowerInferError("the input is not valid UTF-8 text")
         if line.startswith("/"):
             if not run_command(line, conversation):
                 return 0

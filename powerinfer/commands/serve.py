@@ -4,6 +4,7 @@ app as a Ray Serve deployment of replicas (powerinfer/server/ray_app.py)."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import socket
 import sys
 from pathlib import Path
@@ -26,14 +27,22 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
-    """Keys from --api-key and --api-key-file (one a line; blank lines and # comments skipped)."""
+    """Keys from --api-key and --api-key-file (one a line; # comments skipped). An empty key is
+    refused: `--api-key "$KEY"` with KEY unset would otherwise let in every client sending no key."""
+    if any(not key.strip() for key in args.api_key):
+        raise PowerInferError("--api-key is empty (an unset variable?): give a key, or leave the flag out")
     keys = list(args.api_key)
     if args.api_key_file:
         try:
             with open(args.api_key_file, encoding="utf-8") as file:
-                keys += [line.strip() for line in file if line.strip() and not line.lstrip().startswith("#")]
+                lines = file.read().splitlines()
         except (OSError, UnicodeDecodeError) as error:
             raise PowerInferError(f"{args.api_key_file}: cannot read API keys: {error}") from None
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                raise PowerInferError(f"{args.api_key_file}: line {number} is empty (an empty key is no key)")
+            if not line.lstrip().startswith("#"):
+                keys.append(line.strip())
         if len(keys) == len(args.api_key):
             raise PowerInferError(f"{args.api_key_file}: no API keys in the file")
     if any(not key.isprintable() or " " in key for key in keys):
@@ -53,17 +62,26 @@ def allowed_hosts(args: argparse.Namespace) -> frozenset[str] | None:
 def app_options(args: argparse.Namespace) -> dict:
     """create_app's keywords from the flags, alike for one server and for each Ray replica."""
     return dict(parallel=args.parallel, allowed_hosts=allowed_hosts(args), api_keys=api_keys(args),
-                max_body_size=args.max_body_size, watchdog_seconds=args.watchdog)
+                max_body_size=args.max_body_size, watchdog_seconds=args.watchdog, body_timeout=args.read_timeout,
+                max_body_memory=args.max_body_memory, max_embedding_tokens=args.max_embedding_tokens)
 
 
 def checked_model(args: argparse.Namespace) -> Path:
-    """The model file; a missing, foreign or unsupported one is refused before any server starts."""
+    """The model file; a missing, foreign or unsupported one is refused before any server starts,
+    and so are -c and --parallel whose KV cache this machine can never hold (its float16 size)."""
+    import torch
+
     from powerinfer.commands.common import model_path
     from powerinfer.gguf.reader import open_gguf
+    from powerinfer.llm import DEFAULT_N_CTX
     from powerinfer.models import read_config
+    from powerinfer.runtime.kv_cache import cache_bytes, check_cache_fits
 
     path = model_path(args)
-    read_config(open_gguf(path))
+    config = read_config(open_gguf(path))
+    n_ctx = args.ctx_size or min(DEFAULT_N_CTX, config.n_ctx_train)
+    check_cache_fits(cache_bytes(config.n_layers, args.parallel, config.n_head_kv, n_ctx, config.head_dim,
+                                 torch.float16), args.parallel, n_ctx)
     return path
 
 
@@ -79,10 +97,15 @@ def main(args: argparse.Namespace) -> int:
         import uvicorn
 
         from powerinfer.server.app import create_app
+        from powerinfer.server.connections import ConnectionLimits, server_config
     except ImportError as error:
         raise PowerInferError(f"the server needs the 'serve' extra (pip install 'powerinfer[serve]'): {error}") from None
     from powerinfer.commands.common import load_llm
 
+    # A model file rewritten in place while mapped (cp over it, truncate) faults on the next read
+    # of a missing page: say so on stderr, with every thread's stack, rather than die silently.
+    if sys.__stderr__ is not None:  # the process's own stderr, even while sys.stderr is replaced
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
     # A missing, foreign or unsupported file is refused before the server starts; rarer load
     # failures stop the server once it runs (it answers 503 on /health while loading).
     options = app_options(args)
@@ -103,7 +126,8 @@ def main(args: argparse.Namespace) -> int:
             app.state.server.begin_shutdown()
             super().handle_exit(sig, frame)
 
-    server = Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
+    limits = ConnectionLimits(args.read_timeout, args.keep_alive, args.max_connections)
+    server = Server(server_config(app, limits, log_level="info", timeout_graceful_shutdown=5))
     host, port = sock.getsockname()[:2]
     print(f"powerinfer serve: listening on http://{host}:{port} ({args.parallel} slots); loading the model ...",
           file=sys.stderr)

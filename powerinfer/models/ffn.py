@@ -324,6 +324,6 @@ def build_ffn(gguf: GGUFFile, tensors: FFNTensors, unit: int, options: FFNOption
         threshold = _oracle_threshold(gguf, unit, activation, options)
         return SparseFFN(store, activation, "oracle", threshold=threshold, tensors=tensors)
     if predicted:
-        predictor = load_predictor(gguf, tensors.layer, tensors.expert, unit)
+        predictor = load_predictor(gguf, tensors.layer, tensors.expert, unit, shape=(store.dim_in, store.n_ff))
         return SparseFFN(store, activation, "auto", predictor=predictor, tensors=tensors)
     return SparseFFN(store, activation, "off", tensors=tensors)

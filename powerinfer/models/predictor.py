@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from powerinfer.errors import ModelFileError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.ops.linear import DenseLinear, Linear, build_linear, dequantized
 from powerinfer.ops.quant import FLOAT_TYPES
@@ -52,13 +53,21 @@ def has_predictors(gguf: GGUFFile) -> bool:
     return predictor_name(0, "fc1") in gguf.tensors or predictor_name(0, "fc1", 0) in gguf.tensors
 
 
-def load_predictor(gguf: GGUFFile, layer: int, expert: int | None = None, unit: int | None = None) -> Predictor:
+def load_predictor(gguf: GGUFFile, layer: int, expert: int | None = None, unit: int | None = None,
+                   shape: tuple[int, int] | None = None) -> Predictor:
     """The predictor of block `layer`'s FFN (or its expert `expert`); `unit`: its index among the
-    model's FFN units, which the per-unit thresholds follow (default: `layer`)."""
+    model's FFN units, which the per-unit thresholds follow (default: `layer`); `shape`: the FFN's
+    (n_embd, n_ff), which fc1 [R, n_embd] and fc2 [n_ff, R] must match (refused at load, not at the
+    first token)."""
     thresholds = gguf.get(LAYER_THRESHOLDS_KEY)
     unit = layer if unit is None else unit
     threshold = float(thresholds[unit]) if thresholds else float(gguf.get(SPARSE_THRESHOLD_KEY, 0.0))
     fc1, fc2 = (gguf.tensor(predictor_name(layer, part, expert)) for part in ("fc1", "fc2"))
+    if len(fc1.shape) != 2 or len(fc2.shape) != 2 or fc2.shape[1] != fc1.shape[0] or \
+            (shape is not None and (fc1.shape[1], fc2.shape[0]) != shape):
+        wanted = "[R, n_embd] and [n_ff, R]" if shape is None else f"[R, {shape[0]}] and [{shape[1]}, R]"
+        raise ModelFileError(f"{gguf.path}: predictor {predictor_name(layer, 'fc1', expert)} and fc2 have shapes "
+                             f"{list(fc1.shape)} and {list(fc2.shape)}; the FFN needs {wanted}")
     if fc1.ggml_type in FLOAT_TYPES and fc2.ggml_type in FLOAT_TYPES:
         return Predictor.from_weights(dequantized(fc1), dequantized(fc2), threshold)
     # quantized, as PowerInfer's own quantizer writes them (Q4_0): kept compact, on our kernels

@@ -51,11 +51,17 @@ def _ll_tokenizer(tokenizer: Tokenizer, n_vocab: int) -> llguidance.LLTokenizer:
 
 def json_schema_grammar(schema: dict[str, Any]) -> str:
     """The grammar of JSON texts valid against `schema`, on one line."""
-    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_STYLE)
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_STYLE)
+    except (ValueError, RecursionError) as error:  # llguidance refuses schemas nested 64 levels or more
+        raise GrammarError(f"unusable JSON schema: {error}") from None
 
 
 def lark_grammar(lark: str) -> str:
-    return llguidance.LLMatcher.grammar_from_lark(lark)
+    try:
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+    except (ValueError, RecursionError) as error:
+        raise GrammarError(f"unusable grammar: {error}") from None
 
 
 class Constraint:

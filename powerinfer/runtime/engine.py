@@ -74,18 +74,23 @@ class Engine:
         self.cache.copy_slot(source, target, len(self.slot_tokens[source]))
         self.slot_tokens[target] = list(self.slot_tokens[source])
 
-    @torch.inference_mode()
     def all_logits(self, ids: Sequence[int], slot: int = 0, which: Literal["all", "hidden"] = "all") -> torch.Tensor:
         """Logits at every position of `ids`, evaluated from an empty slot ([len(ids), n_vocab]);
         `which="hidden"`: the final normalized hidden states instead ([len(ids), n_embd])."""
         self._check_fits(len(ids))
-        self.slot_tokens[slot] = []
-        rows = []
-        for start in range(0, len(ids), self.n_batch):
-            chunk = list(ids[start : start + self.n_batch])
-            rows.append(self.model.forward(torch.tensor(chunk), [SeqSpan(slot, start, len(chunk))], self.cache, which))
-            self.slot_tokens[slot].extend(chunk)
-        return torch.cat(rows)
+        self.release(slot)
+        return torch.cat([self.extend(slot, ids[start : start + self.n_batch], which)
+                          for start in range(0, len(ids), self.n_batch)])
+
+    @torch.inference_mode()
+    def extend(self, slot: int, ids: Sequence[int], which: Literal["all", "hidden"] = "all") -> torch.Tensor:
+        """Evaluate `ids` after the tokens `slot` holds, in one forward pass; their rows (logits,
+        or hidden states with `which="hidden"`). Callers bound len(ids): it is the pass's size."""
+        start = len(self.slot_tokens[slot])
+        self._check_fits(start + len(ids))
+        rows = self.model.forward(torch.tensor(list(ids)), [SeqSpan(slot, start, len(ids))], self.cache, which)
+        self.slot_tokens[slot].extend(ids)
+        return rows
 
     def release(self, slot: int) -> None:
         self.slot_tokens[slot] = []

@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from powerinfer.errors import PowerInferError
 from powerinfer.ops.linear import CPU
 
 
@@ -36,6 +37,31 @@ def cache_dtype(device: torch.device, cache_type: CacheType) -> torch.dtype:
     return CACHE_TYPES[cache_type] if device.type == "cpu" else ACCELERATOR_CACHE_DTYPE
 
 
+def memory_limit() -> int | None:
+    """Bytes of physical memory plus swap on this machine (None where it cannot be read): a CPU
+    cache larger than that can never be held, whatever is lazily allocated."""
+    try:
+        with open("/proc/meminfo") as file:
+            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in file if line.split()[1:2]}
+        return fields["MemTotal"] + fields.get("SwapTotal", 0)
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def cache_bytes(n_layers: int, n_slots: int, n_kv_heads: int, n_ctx: int, head_dim: int, dtype: torch.dtype) -> int:
+    """What a cache of these dimensions takes: keys and values of every layer."""
+    return 2 * n_layers * n_slots * n_kv_heads * n_ctx * head_dim * dtype.itemsize
+
+
+def check_cache_fits(n_bytes: int, n_slots: int, n_ctx: int) -> None:
+    """Refuse, with the figure, a CPU cache this machine can never hold (before allocating it)."""
+    limit = memory_limit()
+    if limit is not None and n_bytes > limit:
+        raise PowerInferError(f"a KV cache of {n_slots} slot(s) x {n_ctx} tokens needs {n_bytes / 2**30:.1f} GiB, "
+                              f"more than this machine's {limit / 2**30:.1f} GiB of memory and swap "
+                              "(lower -c or --parallel)")
+
+
 class KVCache:
     """Keys and values per layer as [slots, kv_heads, n_ctx, head_dim], allocated once, each layer's
     on the device its attention runs on (`devices`: None puts all on the CPU), of `cache_type` on the CPU
@@ -45,10 +71,20 @@ class KVCache:
                  devices: Sequence[torch.device] | None, cache_type: CacheType):
         shape = (n_slots, n_kv_heads, n_ctx, head_dim)
         devices = devices or [CPU] * n_layers
+        on_cpu = [d for d in devices if d.type == "cpu"]
+        check_cache_fits(cache_bytes(len(on_cpu), n_slots, n_kv_heads, n_ctx, head_dim, CACHE_TYPES[cache_type]),
+                         n_slots, n_ctx)
         # Uninitialised: positions are always written before they are read, and pages never
         # written (the unused end of the context) then cost no resident memory.
-        self.keys = [torch.empty(shape, dtype=cache_dtype(d, cache_type), device=d) for d in devices]
-        self.values = [torch.empty(shape, dtype=cache_dtype(d, cache_type), device=d) for d in devices]
+        try:
+            self.keys = [torch.empty(shape, dtype=cache_dtype(d, cache_type), device=d) for d in devices]
+            self.values = [torch.empty(shape, dtype=cache_dtype(d, cache_type), device=d) for d in devices]
+        except (RuntimeError, MemoryError) as error:  # the allocator's refusal (torch.OutOfMemoryError is one)
+            n_bytes = sum(cache_bytes(1, n_slots, n_kv_heads, n_ctx, head_dim, cache_dtype(d, cache_type))
+                          for d in devices)
+            raise PowerInferError(f"cannot allocate a KV cache of {n_slots} slot(s) x {n_ctx} tokens "
+                                  f"({n_bytes / 2**30:.1f} GiB; lower -c or --parallel): "
+                                  f"{str(error).splitlines()[0]}") from None
         self.n_slots, self.n_ctx = n_slots, n_ctx
         # Per layer and slot, [1, kv_heads, n_ctx, head_dim] views made once: slicing them is the
         # whole per-step cost of reading the cache.

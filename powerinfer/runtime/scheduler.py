@@ -9,8 +9,11 @@ loop), so the callback must be quick and must not block. A request may also have
 callback, called once after each round of prefills and each decode step that delivered it
 events: the server queues a step's events and wakes its event loop once for all of them.
 
-`call(fn)` runs fn(engine) on the worker between steps (embeddings use it, so the model is only
-ever driven from one thread).
+`call_sliced(steps)` runs other work (embeddings) on the worker, so the model is only ever driven
+from one thread, in slices, one slice per loop turn beside the decode step. While sequences generate, a slice is sized to take about as
+long as a decode step, and slices take at most as much of the worker's time as decode steps do
+(a slice that cost more than a step waits out the difference in steps without one), so their
+inter-token latency stays within about twice its solo value.
 """
 
 from __future__ import annotations
@@ -19,19 +22,21 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from powerinfer.errors import PowerInferError
+from powerinfer.logs import failure_text
 from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.sequence import Completion, GenerationSequence, TokenLogprob
 
 log = logging.getLogger(__name__)
 RATE_WINDOW_SECONDS = 10.0  # tokens/s is averaged over this window
+FIRST_SLICE_TOKENS = 16  # a sliced call's first slice beside generation, before its cost per token is measured
 CLOSE_WAIT_SECONDS = 2.0  # how long close() waits for a step in progress before giving up on it
 
 
@@ -78,6 +83,22 @@ class Request:
         return self.sequences[0]
 
 
+class SlicedCall:
+    """Work the worker runs in slices (see `Scheduler.call_sliced`); `future` holds its result or
+    error. `cancel` may be called from any thread: the work stops before its next slice."""
+
+    def __init__(self, steps: Callable[[Engine], Generator[int, int, Any]]):
+        self.steps = steps
+        self.future: Future = Future()
+        self.cancelled = False
+        self.running: Generator[int, int, Any] | None = None
+        self.seconds_per_token = 0.0  # measured on its slices
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.future.cancel()  # at once when no slice ran yet
+
+
 @dataclass
 class Stats:
     requests: int = 0
@@ -85,6 +106,7 @@ class Stats:
     generated_tokens: int = 0
     queued: int = 0
     active: int = 0
+    sliced: int = 0  # sliced calls not finished yet
 
 
 class Scheduler:
@@ -96,7 +118,9 @@ class Scheduler:
         self.observer = observer
         self._waiting: deque[Request] = deque()
         self._active: dict[int, tuple[Request, int]] = {}  # slot -> (request, sequence index); worker only
-        self._calls: deque[tuple[Callable[[Engine], Any], Future]] = deque()
+        self._sliced: deque[SlicedCall] = deque()
+        self._step_seconds = 0.0  # the last decode step's duration: what a slice beside generation may take
+        self._slice_debt = 0.0  # seconds slices ran beside generation beyond what decode steps ran
         self._wake = threading.Condition()
         self._stopping = False
         self._stats = Stats()
@@ -131,15 +155,18 @@ class Scheduler:
                 self._waiting.remove(request)
                 self._stats.queued = len(self._waiting)
 
-    def call(self, fn: Callable[[Engine], Any]) -> Future:
-        """Run fn(engine) on the worker thread between steps; the future holds its result or error."""
-        future: Future = Future()
+    def call_sliced(self, steps: Callable[[Engine], Generator[int, int, Any]]) -> SlicedCall:
+        """Run `steps(engine)` on the worker in slices: a generator primed with next(), then sent
+        each slice's size in tokens, yielding the tokens it evaluated; what it returns is the
+        call's result. Sliced calls take turns, one slice each per loop turn."""
+        call = SlicedCall(steps)
         with self._wake:
             if self._stopping:
                 raise PowerInferError("the server is shutting down")
-            self._calls.append((fn, future))
+            self._sliced.append(call)
+            self._stats.sliced += 1
             self._wake.notify()
-        return future
+        return call
 
     def slots(self) -> list[tuple[bool, int, int]]:
         """Per slot: (generating, tokens in its cache, tokens generated), as seen now."""
@@ -163,7 +190,7 @@ class Scheduler:
         """How long requests have been waiting or running without the worker finishing a step
         (0 while it has nothing to do): a watchdog's measure of a stuck worker."""
         with self._wake:
-            if not self._waiting and not self._active:
+            if not self._waiting and not self._active and not self._sliced:
                 return 0.0
             return time.monotonic() - self._progress_at
 
@@ -184,15 +211,11 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not self._waiting and not self._active and not self._calls:
+                while not self._stopping and not self._waiting and not self._active and not self._sliced:
                     self._wake.wait()
                 if self._stopping:
                     break
                 admitted = self._admit()
-                calls, self._calls = self._calls, deque()
-            for fn, future in calls:
-                self._run_call(fn, future)
-                self._progressed()
             for slots, request in admitted:
                 self._prefill(slots, request)
                 self._progressed()
@@ -202,6 +225,9 @@ class Scheduler:
                 self._decode_step()
                 self._progressed()
                 self._flush()
+            if self._sliced and (not self._active or self._slice_debt <= 0):
+                self._run_slice()
+                self._progressed()
         self._fail_all(PowerInferError("the server is shutting down"))
         self._flush()
 
@@ -219,13 +245,50 @@ class Scheduler:
         self._stats.queued, self._stats.active = len(self._waiting), len(self._active)
         return admitted
 
-    def _run_call(self, fn: Callable[[Engine], Any], future: Future) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
+    def _run_slice(self) -> None:
+        """One slice of the first sliced call, which then goes to the back of their queue."""
+        with self._wake:
+            call = self._sliced.popleft()
+        if self._slice(call):
+            with self._wake:
+                self._sliced.append(call)
+        else:
+            with self._wake:
+                self._stats.sliced -= 1
+
+    def _slice(self, call: SlicedCall) -> bool:
+        """Runs one slice of `call`; returns whether there is more to do."""
+        if call.cancelled:
+            if call.running is not None:
+                call.running.close()
+            if not call.future.done():
+                call.future.set_exception(CancelledError())
+            return False
+        if call.running is None and not call.future.set_running_or_notify_cancel():
+            return False
+        # Beside generation, a slice costs about one decode step; alone, a whole batch.
+        tokens = self.engine.n_batch
+        if self._active:
+            tokens = FIRST_SLICE_TOKENS if not call.seconds_per_token else \
+                max(1, min(tokens, int(self._step_seconds / call.seconds_per_token)))
+        started = time.perf_counter()
         try:
-            future.set_result(fn(self.engine))
+            if call.running is None:
+                call.running = call.steps(self.engine)
+                next(call.running)
+            done = call.running.send(tokens)
+        except StopIteration as finished:
+            call.future.set_result(finished.value)
+            return False
         except Exception as error:  # noqa: BLE001 - the caller gets it
-            future.set_exception(error)
+            call.future.set_exception(error)
+            return False
+        elapsed = time.perf_counter() - started
+        if self._active:
+            self._slice_debt += elapsed
+        if done:
+            call.seconds_per_token = elapsed / done
+        return True
 
     def _prefill(self, slots: list[int], request: Request) -> None:
         if request.cancelled:
@@ -263,7 +326,8 @@ class Scheduler:
         try:
             started = time.perf_counter()
             logits = self.engine.decode([(s, self._sequence(s).last_token) for s in slots])
-            elapsed = time.perf_counter() - started
+            elapsed = self._step_seconds = time.perf_counter() - started
+            self._slice_debt = max(0.0, self._slice_debt - elapsed)
         except Exception as error:  # noqa: BLE001 - fail this step's requests, keep serving
             for slot in slots:
                 self._fail(slot, error)
@@ -321,7 +385,7 @@ class Scheduler:
     def _fail(self, slot: int, error: Exception) -> None:
         """Fail the request in `slot`, with all its sequences."""
         if not isinstance(error, PowerInferError):
-            log.exception("generation failed", exc_info=error)
+            log.error("generation failed: %s", failure_text(error))
         if slot in self._active:
             request = self._active[slot][0]
             request.cancelled = True
@@ -333,11 +397,13 @@ class Scheduler:
             self._fail(slot, error)
         with self._wake:
             waiting, self._waiting = list(self._waiting), deque()
-            calls, self._calls = self._calls, deque()
+            sliced, self._sliced = self._sliced, deque()
+            self._stats.sliced = 0
         for request in waiting:
             self._send(request, Event(error=error))
-        for _, future in calls:
-            future.cancel()
+        for call in sliced:
+            if not call.future.cancel():  # running: cancel() refuses, so it fails instead
+                call.future.set_exception(error)
 
     def _send(self, request: Request, event: Event) -> None:
         try:

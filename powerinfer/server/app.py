@@ -27,11 +27,12 @@ from powerinfer.api.prepare import Prepared, prepare_chat, prepare_completion
 from powerinfer.api.replies import OpenAIReply, embedding_list
 from powerinfer.errors import PowerInferError
 from powerinfer.llm import LLM
+from powerinfer.logs import cap_log_values
 from powerinfer.runtime.scheduler import Scheduler
 from powerinfer.runtime.sequence import GenerationSequence
 from powerinfer.server.errors import APIError, install_handlers
-from powerinfer.server.gate import DEFAULT_MAX_BODY_SIZE, RequestGate
-from powerinfer.server.generation import ClientGone, Generation
+from powerinfer.server.gate import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_MEMORY, DEFAULT_MAX_BODY_SIZE, RequestGate
+from powerinfer.server.generation import ClientGone, Generation, sliced_result
 from powerinfer.server.metrics import Metrics
 from powerinfer.server.replica import REPLICA_LABEL, ReplicaHeader, label_series
 from powerinfer.server.replies import llama_final, llama_stream, openai_stream
@@ -39,6 +40,7 @@ from powerinfer.server.replies import llama_final, llama_stream, openai_stream
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DEFAULT_WATCHDOG_SECONDS = 120.0  # a prefill of a long prompt on a large model is one step
+DEFAULT_MAX_EMBEDDING_TOKENS = 32768  # per /v1/embeddings request, all its inputs together
 
 
 class ServerState:
@@ -108,17 +110,22 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
                on_load_error: Callable[[Exception], None] | None = None, *,
                allowed_hosts: Collection[str] | None = None, api_keys: Collection[str] = (),
                max_body_size: int = DEFAULT_MAX_BODY_SIZE,
-               watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS, replica: str | None = None) -> FastAPI:
+               watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS, replica: str | None = None,
+               max_embedding_tokens: int = DEFAULT_MAX_EMBEDDING_TOKENS, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+               max_body_memory: int = DEFAULT_MAX_BODY_MEMORY) -> FastAPI:
     """The server app over `llm` (or a function that loads it), with `parallel` KV-cache slots.
 
     `allowed_hosts`: names the Host header may carry (None: any); `api_keys`: keys a request must
     present as a bearer token (none: no key needed); `max_body_size`: bytes per request body;
     `watchdog_seconds`: /health answers 503 once work has waited this long without the
     scheduler finishing a step; `replica`: this app's name among several serving the same model
-    (every answer carries it in an x-powerinfer-replica header, and /metrics labels its series with it).
+    (every answer carries it in an x-powerinfer-replica header, and /metrics labels its series with it);
+    `max_embedding_tokens`: tokens one /v1/embeddings request may ask for; `body_timeout`: seconds
+    for a request's whole body; `max_body_memory`: bytes of all the bodies being read at once.
     """
     if parallel < 1:
         raise PowerInferError("parallel must be >= 1")
+    cap_log_values()
     state = ServerState(parallel, watchdog_seconds)
 
     def load(factory: Callable[[], LLM]) -> None:
@@ -144,7 +151,8 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
 
     app = FastAPI(title="powerinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
-    app.add_middleware(RequestGate, allowed_hosts=allowed_hosts, api_keys=api_keys, max_body_size=max_body_size)
+    app.add_middleware(RequestGate, allowed_hosts=allowed_hosts, api_keys=api_keys, max_body_size=max_body_size,
+                       body_timeout=body_timeout, max_body_memory=max_body_memory)
     if replica is not None:  # added last, so outermost: the gate's refusals name the replica too
         app.add_middleware(ReplicaHeader, name=replica)
     install_handlers(app)
@@ -200,10 +208,15 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
     @app.post("/detokenize")
     async def detokenize(body: schemas.DetokenizeRequest) -> dict:
         llm, _ = state.ready()
-        bad = [t for t in body.tokens if t >= llm.config.n_vocab]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is out of range (vocabulary of {llm.config.n_vocab})", param="tokens")
-        return {"content": llm.detokenize(body.tokens)}
+
+        def checked_text() -> str:  # proportional to the ids: in a worker thread
+            bad = next((t for t in body.tokens if t >= llm.config.n_vocab), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is out of range (vocabulary of {llm.config.n_vocab})",
+                               param="tokens")
+            return llm.detokenize(body.tokens)
+
+        return {"content": await run_in_threadpool(checked_text)}
 
     async def openai_answer(body: schemas.OpenAIRequest, prepare: Callable[[LLM, Any], Prepared],
                             request: Request, chat: bool) -> Response:
@@ -229,12 +242,16 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
         return await openai_answer(body, prepare_chat, request, chat=True)
 
     @app.post("/v1/embeddings")
-    async def embeddings(body: schemas.EmbeddingRequest) -> dict:
+    async def embeddings(body: schemas.EmbeddingRequest, request: Request) -> dict:
         state.check_model(body.model)
         llm, scheduler = state.ready()
-        inputs = body.inputs()
-        # On the scheduler's thread, between its steps: one thread drives the model.
-        vectors, n_tokens = await asyncio.wrap_future(scheduler.call(lambda _: llm.embed_with_counts(inputs)))
+        token_lists = await run_in_threadpool(llm.embedding_ids, body.inputs())
+        n_tokens = sum(map(len, token_lists))
+        if n_tokens > max_embedding_tokens:
+            raise APIError(400, f"{n_tokens} tokens to embed, more than the server's {max_embedding_tokens} per "
+                                "request (--max-embedding-tokens)", param="input")
+        # On the scheduler's thread (one thread drives the model), in slices beside generation.
+        vectors = await sliced_result(scheduler.call_sliced(lambda _: llm.embedding_steps(token_lists)), request)
         return embedding_list(vectors, n_tokens, state.model_id, body.encoding_format)
 
     @app.post("/completion")

@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException
 
 from powerinfer.api.schemas import validation_message
 from powerinfer.errors import ContextOverflowError, PowerInferError
+from powerinfer.logs import failure_text
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def from_exception(error: Exception) -> APIError:
         return APIError(400, str(error), param="prompt", code="context_length_exceeded")
     if isinstance(error, PowerInferError):
         return APIError(400, str(error))
-    log.error("internal error", exc_info=error)
+    log.error("internal error: %s", failure_text(error))
     return APIError(500, f"internal error: {type(error).__name__}", type="server_error")
 
 

@@ -8,14 +8,13 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from starlette.requests import Request as HTTPRequest
 
-from powerinfer.runtime.scheduler import Event, Request, Scheduler
+from powerinfer.runtime.scheduler import Event, Request, Scheduler, SlicedCall
 from powerinfer.runtime.sequence import Completion, GenerationSequence
 from powerinfer.server.errors import error_body, from_exception
-
-DISCONNECT_POLL_SECONDS = 0.5  # how often a waiting non-streaming answer checks its client is still there
 
 
 class ClientGone(Exception):
@@ -81,16 +80,15 @@ class Generation:
         """End the answer with `error` now, whatever the scheduler is doing (call on the event loop)."""
         self.queue.put_nowait(Event(error=error))
 
-    async def events(self, client: HTTPRequest | None = None) -> AsyncIterator[Event]:
+    async def events(self) -> AsyncIterator[Event]:
         """Events until every choice finished or one failed. Stopping early (a streaming client
         that went away cancels the task consuming this) cancels the request, which frees its
-        slots. With `client`, a disconnect is also noticed while waiting (non-streaming answers)."""
+        slots before the scheduler's next step."""
         self.scheduler.submit(self.request)
         finished = 0
         try:
             while True:
-                # Streaming: a disconnect cancels the task consuming this, no polling needed.
-                event = await (self.queue.get() if client is None else self._next_watching(client))
+                event = await self.queue.get()
                 yield event
                 finished += event.completion is not None
                 if event.error is not None or finished == len(self.request.sequences):
@@ -100,26 +98,52 @@ class Generation:
             if self.on_end is not None:
                 self.on_end(self)
 
-    async def _next_watching(self, client: HTTPRequest) -> Event:
-        """The next event, checking every DISCONNECT_POLL_SECONDS that the client is still there."""
-        while True:
-            try:
-                return await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_SECONDS)
-            except TimeoutError:  # the cancelled get() loses no event
-                if await client.is_disconnected():
-                    raise ClientGone() from None
-
     async def result(self, client: HTTPRequest) -> list[Completion]:
-        """The finished completions, one per choice; a failed generation raises its error."""
-        completions: dict[int, Completion] = {}
-        async for event in self.events(client):
-            if event.error is not None:
-                raise event.error
-            if event.completion is not None:
-                completions[event.index] = event.completion
+        """The finished completions, one per choice; a failed generation raises its error, and
+        `client` leaving raises ClientGone at once, tokens flowing or not."""
+        watcher = asyncio.create_task(self._watch(client))
+        try:
+            completions: dict[int, Completion] = {}
+            async for event in self.events():
+                if event.error is not None:
+                    raise event.error
+                if event.completion is not None:
+                    completions[event.index] = event.completion
+        finally:
+            watcher.cancel()
         if len(completions) < len(self.request.sequences):
             raise ClientGone()
         return [completions[i] for i in sorted(completions)]
+
+    async def _watch(self, client: HTTPRequest) -> None:
+        """Waits for `client` to disconnect, then cancels the request (its slots are freed before
+        the scheduler's next step) and ends the answer. The body was read already: all the
+        server can still receive is the disconnect."""
+        await wait_for_disconnect(client)
+        self.scheduler.cancel(self.request)
+        self.abort(ClientGone())
+
+
+async def sliced_result(call: SlicedCall, client: HTTPRequest) -> Any:
+    """The result of `call` (a sliced call on the scheduler); `client` leaving cancels it (it stops
+    before its next slice) and raises ClientGone."""
+    result = asyncio.wrap_future(call.future)
+    watcher = asyncio.create_task(wait_for_disconnect(client))
+    try:
+        await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not result.done():
+            call.cancel()
+    if not result.done():
+        raise ClientGone()
+    return result.result()
+
+
+async def wait_for_disconnect(client: HTTPRequest) -> None:
+    """Returns when the client of `client` has left (the request's body must have been read)."""
+    while (await client.receive())["type"] != "http.disconnect":
+        pass
 
 
 def sse(data: dict | str) -> str:

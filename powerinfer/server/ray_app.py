@@ -52,8 +52,10 @@ def import_ray(address: str | None) -> Any:
 
 
 def connect(address: str | None) -> bool:
-    """Joins the cluster at `address`, or starts a local Ray (on 127.0.0.1, no dashboard).
-    Returns whether this call started Ray (and so should stop it)."""
+    """Joins the cluster at `address`, or starts a private local Ray (on 127.0.0.1, no dashboard)
+    that never joins one already running here: Ray's own default would join the cluster named by
+    RAY_ADDRESS or by the last `ray start` on this machine. Returns whether this call started or
+    joined Ray (and so should disconnect or stop it)."""
     ray = import_ray(address)
     if ray.is_initialized():
         return False
@@ -61,8 +63,8 @@ def connect(address: str | None) -> bool:
     # that is how the proxy gets our error answers (a Serve already running keeps its own proxies).
     runtime_env = {"env_vars": {PROXY_CALLBACK_VARIABLE: PROXY_CALLBACK}}
     try:
-        ray.init(address=address, include_dashboard=False if address is None else None, runtime_env=runtime_env,
-                 logging_level="WARNING", log_to_driver=False)
+        ray.init(address=address or "local", include_dashboard=False if address is None else None,
+                 runtime_env=runtime_env, logging_level="WARNING", log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as error:
         raise PowerInferError(f"cannot {'join the Ray cluster at ' + address if address else 'start Ray'}: {error}") from None
     return True
@@ -185,8 +187,8 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        if local and started:
-            import_ray(args.address).shutdown()  # stops every Ray process it started, the replicas too
-        else:
+        if not local:  # the cluster outlives us: take our application off it
             with contextlib.suppress(RayServeException):  # raised when Serve never started
                 serve.delete(APP_NAME)
+        if started:  # a private Ray: stops every process it started, the replicas too (a cluster: disconnects)
+            import_ray(args.address).shutdown()

@@ -19,6 +19,7 @@ mixture of experts, learnt from the tokens routed to that expert.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -236,7 +237,8 @@ def save_predictors(directory: str | Path, predictors: Sequence[TrainedPredictor
 
     config.json's `sparse_threshold` (PowerInfer's single threshold) is the lowest of the layer
     thresholds, so that tools reading only it still meet the recall target everywhere;
-    `layer_thresholds` holds ours."""
+    `layer_thresholds` holds ours, and `files` each model file's SHA-256: a set whose files
+    disagree (files of two runs mixed) is refused when read."""
     layer_thresholds = [p.threshold for p in predictors]
     config = {"sparse_threshold": min(layer_thresholds), "layer_thresholds": layer_thresholds}
     if activation_thresholds is not None:
@@ -244,10 +246,32 @@ def save_predictors(directory: str | Path, predictors: Sequence[TrainedPredictor
     if reports:
         config["report"] = [asdict(r) for r in reports]
     with atomic_directory(directory, PREDICTOR_FILES, replace) as staging:
+        config["files"] = {}
         for i, p in enumerate(predictors):
-            torch.save({"fc1.weight": p.fc1.to(torch.float16), "fc2.weight": p.fc2.to(torch.float16)},
-                       staging / f"model_{i}.pt")
+            path = staging / f"model_{i}.pt"
+            torch.save({"fc1.weight": p.fc1.to(torch.float16), "fc2.weight": p.fc2.to(torch.float16)}, path)
+            config["files"][path.name] = file_digest(path)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=1))
+
+
+def file_digest(path: Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def check_one_set(directory: Path, paths: Sequence[Path], config: dict) -> None:
+    """Refuse model files that are not the ones config.json lists (a set mixed from two runs, or
+    partly replaced); PowerInfer's own sets list none and are taken as they are."""
+    listed = config.get("files")
+    if listed is None:
+        return
+    if not isinstance(listed, dict) or sorted(listed) != sorted(path.name for path in paths):
+        raise PowerInferError(f"{directory}: the model files differ from those {CONFIG_FILE} lists (a mixed set); "
+                              "train the predictors again")
+    for path in paths:
+        if file_digest(path) != listed[path.name]:
+            raise PowerInferError(f"{path}: not the file {CONFIG_FILE} lists (predictor files from different runs "
+                                  "are mixed); train the predictors again")
 
 
 @dataclass
@@ -271,7 +295,8 @@ def load_predictors(directory: str | Path) -> PredictorDirectory:
     """Read a predictor directory (ours or PowerInfer's)."""
     directory = Path(directory)
     fc1, fc2 = [], []
-    for path in numbered_files(directory, "model"):
+    paths = numbered_files(directory, "model")
+    for path in paths:
         state = load_torch_file(path)
         weights = [state.get(key) if isinstance(state, dict) else None for key in ("fc1.weight", "fc2.weight")]
         if not all(isinstance(w, torch.Tensor) and w.is_floating_point() for w in weights):
@@ -279,5 +304,6 @@ def load_predictors(directory: str | Path) -> PredictorDirectory:
         fc1.append(weights[0].float())
         fc2.append(weights[1].float())
     config = load_json(directory / CONFIG_FILE)
+    check_one_set(directory, paths, config)  # after reading each: a damaged file is named as such
     return PredictorDirectory(fc1, fc2, float(config.get("sparse_threshold", 0.0)), config.get("layer_thresholds"),
                               config.get("activation_thresholds"))

@@ -1,0 +1,520 @@
+"""Hostile clients, files and faults (issue 22): empty API keys, abandoned requests, embeddings
+beside generation, slow and idle connections, bodies and log lines proportional to the attack."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from starlette.testclient import TestClient
+
+from powerinfer import LLM
+from powerinfer.api.schemas import MAX_TOKEN_IDS
+from powerinfer.cli import is_utf8
+from powerinfer.commands.serve import listen
+from powerinfer.errors import ModelFileError
+from powerinfer.gguf import open_gguf
+from powerinfer.logs import MAX_LOGGED_CHARS
+from powerinfer.runtime.constraint import GrammarError, json_schema_grammar
+from powerinfer.server.app import create_app
+from powerinfer.server.connections import ConnectionLimits, server_config
+from powerinfer.tokenizer import Tokenizer
+
+from conftest import convert_each, make_tiny_llama
+from helpers import assert_one_line_error, powerinfer
+
+
+@pytest.mark.parametrize("keys", [["--api-key", ""], ["--api-key", "good", "--api-key", "  "]])
+def test_empty_api_key_is_refused_at_start_up(tmp_path, keys):
+    result = powerinfer("serve", "-m", str(tmp_path / "never-read.gguf"), "--port", "0", *keys)
+    assert_one_line_error(result, "--api-key is empty")
+
+
+@pytest.mark.parametrize("text", ["\n", "key\n   \nother\n"])
+def test_key_file_with_an_empty_line_is_refused_at_start_up(tmp_path, text):
+    keys = tmp_path / "keys.txt"
+    keys.write_text(text)
+    result = powerinfer("serve", "-m", str(tmp_path / "never-read.gguf"), "--port", "0", "--api-key-file", str(keys))
+    assert_one_line_error(result, f"{keys}: line", "is empty")
+
+
+# ---------------------------------------------------------------- a server over a tiny long-context model
+
+N_CTX = 16384
+
+
+@pytest.fixture(scope="module")
+def long_llm(tmp_path_factory, default_model) -> LLM:
+    """A tiny random ReLU llama with a 16k context (the default model's vocabulary): decode steps
+    and 16k-token embeddings take seconds, not minutes."""
+    folder = tmp_path_factory.mktemp("tiny-long")
+    make_tiny_llama(folder, "relu", overrides={"max_position_embeddings": N_CTX})
+    Tokenizer.from_gguf(open_gguf(default_model)).backend.save(str(folder / "tokenizer.json"))
+    return LLM(convert_each(folder, ("q8_0",))["q8_0"], n_ctx=N_CTX)
+
+
+class Serving:
+    """uvicorn serving `app` on a free loopback port from a thread, with our connection limits."""
+
+    def __init__(self, app, limits: ConnectionLimits | None = None):
+        sock = listen("127.0.0.1", 0)
+        self.address = sock.getsockname()[:2]
+        self.url = f"http://127.0.0.1:{self.address[1]}"
+        self.server = uvicorn.Server(server_config(app, limits or ConnectionLimits(), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+
+    @property
+    def scheduler(self):
+        return self.server.config.app.state.server.scheduler
+
+    def wait_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while (stats := self.scheduler.stats()).active or stats.queued or stats.sliced:
+            assert time.monotonic() < deadline, f"still busy after {timeout} s: {stats}"
+            time.sleep(0.01)
+
+    def __enter__(self) -> Serving:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def never_ending(llm: LLM) -> dict:
+    """Sampling fields that keep a random model generating: its end-of-generation tokens banned."""
+    return {"temperature": 0, "logit_bias": {str(i): -100 for i in llm.tokenizer.eog_ids}}
+
+
+def test_abandoned_requests_free_their_slots(long_llm):
+    """Eight non-streaming clients asking for 4000 tokens leave after 1 s (curl -m 1); a
+    legitimate request then completes within 5 s (it used to wait minutes behind them)."""
+    with Serving(create_app(long_llm, parallel=4)) as serving:
+        hostile = [("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4000, **never_ending(long_llm)}),
+                   ("/completion", {"prompt": "Once upon a time", "n_predict": 4000, **never_ending(long_llm)})] * 4
+
+        def abandon(route: str, body: dict) -> None:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(serving.url + route, json=body, timeout=httpx.Timeout(60, read=1))
+
+        with ThreadPoolExecutor(len(hostile)) as pool:
+            list(pool.map(lambda case: abandon(*case), hostile))
+        left = time.monotonic()
+        answer = httpx.post(f"{serving.url}/v1/completions", timeout=60,
+                            json={"prompt": "Hello", "max_tokens": 8, **never_ending(long_llm)})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8
+        assert time.monotonic() - left < 5
+        serving.wait_idle(5)
+        assert serving.scheduler.stats().generated_tokens < 8 * 4000 // 4
+
+
+def stream_gaps(url: str, llm: LLM, n: int = 40) -> list[float]:
+    """Seconds between the token events of one streamed completion of `n` tokens."""
+    arrivals = []
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                      json={"prompt": "The river", "max_tokens": n, "stream": True, **never_ending(llm)}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.perf_counter())
+    assert len(arrivals) >= n - 1
+    return [b - a for a, b in zip(arrivals[1:], arrivals[2:])]  # from the second token: the first waits for a prefill
+
+
+def embedding_input(n_inputs: int, length: int) -> list[list[int]]:
+    return [[(7919 * (i + 1) * (j + 1)) % 49152 for j in range(length)] for i in range(n_inputs)]
+
+
+def test_embeddings_run_beside_generation(long_llm):
+    """A 16k-token embedding request (4 inputs of 4096 tokens) in slices between decode steps:
+    a completion's inter-token latency stays within 3x its solo value while it runs."""
+    inputs = embedding_input(4, 4096)
+    with Serving(create_app(long_llm, parallel=2)) as serving, ThreadPoolExecutor(1) as pool:
+        solo = statistics.mean(stream_gaps(serving.url, long_llm))
+        embedding = pool.submit(httpx.post, f"{serving.url}/v1/embeddings", json={"input": inputs}, timeout=300)
+        deadline = time.monotonic() + 30
+        while serving.scheduler.stats().sliced == 0:
+            assert time.monotonic() < deadline and not embedding.done(), "the embedding never started"
+            time.sleep(0.005)
+        beside = statistics.mean(stream_gaps(serving.url, long_llm))
+        still_embedding = serving.scheduler.stats().sliced == 1
+        answer = embedding.result()
+    # the mean, not the median: an embedding run in one piece shows as one long gap
+    assert beside <= 3 * solo, f"inter-token latency {beside * 1e3:.1f} ms beside the embedding, {solo * 1e3:.1f} ms solo"
+    assert still_embedding, "the embedding ended before the stream: the stream was not measured beside it"
+    assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens"] == 4 * 4096
+    vectors = [item["embedding"] for item in answer.json()["data"]]
+    assert np.allclose(vectors, long_llm.embed(inputs), atol=1e-4)  # slicing changes nothing but rounding
+
+
+def test_embedding_is_cancelled_when_its_client_leaves(long_llm):
+    with Serving(create_app(long_llm, parallel=1)) as serving:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{serving.url}/v1/embeddings", json={"input": embedding_input(4, 4096)},
+                       timeout=httpx.Timeout(60, read=1))
+        serving.wait_idle(2)  # alone it runs for several seconds more
+
+
+def test_embedding_token_budget(long_llm):
+    with Serving(create_app(long_llm, max_embedding_tokens=1000)) as serving:
+        over = httpx.post(f"{serving.url}/v1/embeddings", json={"input": embedding_input(2, 501)})
+        assert over.status_code == 400 and over.json()["error"]["param"] == "input"
+        assert "1002 tokens" in over.json()["error"]["message"]
+        assert httpx.post(f"{serving.url}/v1/embeddings", json={"input": embedding_input(2, 500)}).status_code == 200
+
+
+# ---------------------------------------------------------------- connections
+
+QUICK = ConnectionLimits(read_timeout=1.0, keep_alive=1.0, max_connections=4)
+
+
+def read_until_closed(sock: socket.socket, timeout: float) -> tuple[bytes, float]:
+    """What the server sends until it closes the connection, and how long that took. A server
+    closing with part of our data unread resets the connection: what came before may be lost."""
+    sock.settimeout(timeout)
+    started, data = time.monotonic(), b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data, time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def quick(long_llm):
+    with Serving(create_app(long_llm, body_timeout=1.0, max_body_memory=1024 * 1024), QUICK) as serving:
+        yield serving
+
+
+def test_headers_sent_slowly_get_408_and_are_closed(quick):
+    with socket.create_connection(quick.address) as sock:
+        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        started = time.monotonic()
+        for _ in range(10):  # a header line every 0.2 s: the connection stays busy, never complete
+            try:
+                sock.sendall(b"X-Slow: yes\r\n")
+            except OSError:
+                break
+            time.sleep(0.2)
+        data, _ = read_until_closed(sock, 10)
+    assert data.startswith(b"HTTP/1.1 408")
+    assert time.monotonic() - started < 4
+
+
+def test_a_connection_that_sends_nothing_is_closed(quick):
+    with socket.create_connection(quick.address) as sock:
+        data, waited = read_until_closed(sock, 10)
+    assert data.startswith(b"HTTP/1.1 408") and waited < 4
+
+
+def test_idle_keep_alive_connection_is_closed(quick):
+    with socket.create_connection(quick.address) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        data, waited = read_until_closed(sock, 10)
+    assert data.startswith(b"HTTP/1.1 200") and waited < 4
+
+
+def test_body_sent_slowly_gets_408_and_the_connection_closes(quick):
+    with socket.create_connection(quick.address) as sock:
+        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"content\": \"")
+        started = time.monotonic()
+        for _ in range(15):  # a byte every 0.2 s: never the whole body
+            try:
+                sock.sendall(b"a")
+            except OSError:
+                break
+            time.sleep(0.2)
+        data, _ = read_until_closed(sock, 10)
+    assert data.startswith(b"HTTP/1.1 408") and b"--read-timeout" in data
+    assert time.monotonic() - started < 5
+
+
+def test_connections_beyond_the_limit_get_503(quick):
+    idle = [socket.create_connection(quick.address) for _ in range(QUICK.max_connections)]
+    try:
+        time.sleep(0.2)  # the server has accepted them
+        assert httpx.get(f"{quick.url}/health").status_code == 503
+    finally:
+        for sock in idle:
+            sock.close()
+    deadline = time.monotonic() + 5
+    while httpx.get(f"{quick.url}/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_memory_of_bodies_being_read_is_bounded(quick, caplog):
+    """Two clients each sending 600 KB of a 1 MB body: the second passes the server's 1 MiB for
+    bodies being read and is refused (503, and its connection closed); the first is still being
+    read; once they are gone, bodies are read again."""
+    head = (b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000\r\n\r\n")
+    first, second = socket.create_connection(quick.address), socket.create_connection(quick.address)
+    try:
+        first.sendall(head + b"x" * 600_000)
+        time.sleep(0.3)
+        second.sendall(head + b"x" * 600_000)
+        data, waited = read_until_closed(second, 10)
+        assert waited < 5 and (data == b"" or data.startswith(b"HTTP/1.1 503"))  # a reset may come before the 503
+        refusals = [r.getMessage() for r in caplog.records if "refused a request body" in r.getMessage()]
+        assert len(refusals) == 1 and "503" in refusals[0] and "--max-body-memory" in refusals[0]
+    finally:
+        first.close()
+        second.close()
+    assert httpx.post(f"{quick.url}/tokenize", json={"content": "hello"}).status_code == 200
+
+
+# ---------------------------------------------------------------- bodies: work and log lines bounded
+
+@pytest.fixture(scope="module")
+def client(long_llm):
+    with TestClient(create_app(long_llm, parallel=2)) as test_client:
+        yield test_client
+
+
+def nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_schema_nested_too_deep_for_the_grammar_library_is_refused(client):
+    with pytest.raises(GrammarError, match="unusable JSON schema"):
+        json_schema_grammar(nested_schema(64))
+    for levels in (30, 64):  # within the body's nesting limit (then the grammar's), and beyond it
+        answer = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "deep", "schema": nested_schema(levels)}}})
+        assert answer.status_code in (200, 400), answer.text
+    assert answer.status_code == 400 and "nested more than 64 levels" in answer.json()["error"]["message"]
+
+
+def test_tool_call_arguments_nested_5000_deep(client):
+    deep = "[" * 5000 + "]" * 5000
+    answer = client.post("/v1/chat/completions", json={"max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "f", "arguments": deep}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"}]})
+    assert answer.status_code == 200, answer.text
+
+
+def test_a_body_nested_5000_deep_gets_400(client):
+    answer = client.post("/v1/completions", content=b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                         headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400
+
+
+def test_millions_of_ids_are_refused_before_their_validation(client):
+    answer = client.post("/detokenize", content=b'{"tokens": [' + b"1," * 3_999_999 + b"1]}",
+                         headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400 and "524288 JSON values" in answer.json()["error"]["message"]
+    answer = client.post("/detokenize", json={"tokens": [1] * (MAX_TOKEN_IDS + 1)})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "tokens"
+    ids = list(range(MAX_TOKEN_IDS // 64))
+    assert client.post("/detokenize", json={"tokens": ids}).json()["content"] == client.app.state.server.llm.detokenize(ids)
+
+
+def test_log_lines_are_capped(client, caplog):
+    body = {"prompt": "hi", "max_tokens": 1, **{f"unknown_field_{i}": i for i in range(100_000)}}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    warnings = [r.getMessage() for r in caplog.records if "nobody defines" in r.getMessage()]
+    assert warnings and "100000 fields" in warnings[0]
+    assert max(len(r.getMessage()) for r in caplog.records) <= 2 * MAX_LOGGED_CHARS
+
+
+# ---------------------------------------------------------------- a model file changed while served
+
+def serve_file(model: Path) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, "-m", "powerinfer.cli", "serve", "-m", str(model), "--port", "0",
+                                "-c", "256", "--parallel", "1"], stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = re.search(r"listening on (http://\S+)", process.stderr.readline()).group(1)
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{url}/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return process, url
+
+
+def complete(url: str) -> str:
+    answer = httpx.post(f"{url}/completion", json={"prompt": "Hello", "n_predict": 8, "temperature": 0}, timeout=60)
+    return answer.json()["content"]
+
+
+def test_model_file_replaced_or_rewritten_while_served(long_llm, tmp_path):
+    """Replaced by a rename (mv, our own writers): the server keeps the file it mapped and answers
+    as before. Rewritten in place (truncated, as cp starts by doing): the next read of a lost page
+    kills it, but never silently."""
+    served = tmp_path / "model.gguf"
+    shutil.copy(long_llm.path, served)
+    process, url = serve_file(served)
+    try:
+        before = complete(url)
+        other = tmp_path / "other.gguf"
+        other.write_bytes(b"GGUF" + bytes(1000))
+        os.replace(other, served)
+        assert complete(url) == before
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    shutil.copy(long_llm.path, served)
+    process, url = serve_file(served)
+    try:
+        os.truncate(served, 4096)
+        with pytest.raises(httpx.TransportError):
+            complete(url)
+        assert process.wait(timeout=30) == -signal.SIGBUS
+        assert "Fatal Python error: Bus error" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+# ---------------------------------------------------------------- files that would fail later: one line at load
+
+def test_predictor_shapes_that_disagree_are_refused_at_load(tmp_path):
+    from gguf import GGMLQuantizationType as T
+
+    from powerinfer.gguf.writer import TensorData, write_gguf
+    from powerinfer.models.predictor import load_predictor
+
+    def predictor_file(fc1: tuple[int, int], fc2: tuple[int, int]) -> Path:
+        path = tmp_path / f"p{fc1}{fc2}.gguf"
+        write_gguf(path, "llama", {}, [TensorData(f"blk.0.{name}.weight", np.ones(shape, np.float32), T.F32)
+                                       for name, shape in (("fc1", fc1), ("fc2", fc2))])
+        return path
+
+    assert load_predictor(open_gguf(predictor_file((8, 96), (128, 8))), 0, shape=(96, 128)).nbytes > 0
+    with pytest.raises(ModelFileError, match=r"shapes \[8, 96\] and \[128, 4\]"):
+        load_predictor(open_gguf(predictor_file((8, 96), (128, 4))), 0)  # fc2 does not take fc1's rank
+    with pytest.raises(ModelFileError, match=r"needs \[R, 64\] and \[128, R\]"):
+        load_predictor(open_gguf(predictor_file((8, 96), (128, 8))), 0, shape=(64, 128))
+
+
+VOCABULARIES = {
+    "repeated": (["a", "b", "ab", "a"], ["a b"], "token 3 repeats token 0"),
+    "empty": (["a", "", "b", "ab"], ["a b"], "token 1 is empty"),
+    "merge without a space": (["a", "b", "ab"], ["ab"], "merge 0 ('ab') is not two tokens"),
+    "merge of unknown pieces": (["a", "b", "ab"], ["x y"], "merge 0 ('x y') is not two tokens"),
+    "merge of three pieces": (["a", "b", "ab", "c"], ["a b c"], "merge 0 ('a b c') is not two tokens"),
+}
+
+
+@pytest.mark.parametrize("case", VOCABULARIES)
+def test_broken_vocabularies_are_one_error(tmp_path, case):
+    from powerinfer.gguf.writer import write_gguf
+
+    tokens, merges, message = VOCABULARIES[case]
+    path = tmp_path / "vocab.gguf"
+    write_gguf(path, "llama", {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
+                               "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges}, [])
+    with pytest.raises(ModelFileError, match=re.escape(message)):
+        Tokenizer.from_gguf(open_gguf(path))
+
+
+@pytest.mark.parametrize("flags", [["-c", str(2**40)], ["--parallel", str(10**9)]])
+def test_a_kv_cache_that_cannot_be_held_is_refused_with_its_size(long_llm, flags):
+    assert_one_line_error(powerinfer("serve", "-m", str(long_llm.path), "--port", "0", *flags), "GiB", "lower -c or --parallel")
+
+
+def test_run_with_a_context_too_large_is_refused_with_its_size(long_llm):
+    assert_one_line_error(powerinfer("run", "-m", str(long_llm.path), "-p", "hi", "-n", "1", "-c", str(2**40)),
+                          "a KV cache of 1 slot(s) x 1099511627776 tokens needs")
+
+
+# ---------------------------------------------------------------- every flag's value space
+
+HOSTILE_VALUES = ["0", "1", "-1", "-0", "2", "65535", "65536", str(2**31), str(2**63), str(2**64), str(2**64 + 1),
+                  str(10**30), "-" + str(2**64), "1e308", "1e309", "inf", "-inf", "nan", "NaN", "0x10", "1_000",
+                  " 1", "", " ", "\udcff", "caf\udce9", "\x00", "1.5", "-1.5", "1e-320"]
+REQUIRED_ARGS = {"perplexity": ["-f", "t.txt"], "profile": ["-f", "t.txt", "-o", "out"],
+                 "train-predictors": ["-f", "t.txt", "-o", "out"], "place": ["--vram-budget", "1"],
+                 "convert": ["model"], "quantize": ["in.gguf", "out.gguf", "q4_0"], "inspect": ["x"]}
+
+
+@functools.cache
+def command_parsers() -> dict:
+    import argparse
+
+    from powerinfer.cli import build_parser
+
+    return next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def typed_flags() -> list[tuple[str, str]]:
+    """(command, flag) for every flag of every command that parses its value."""
+    return sorted({(name, action.option_strings[-1]) for name, sub in command_parsers().items()
+                   for action in sub._actions if action.option_strings and action.type is not None and action.nargs != 0})
+
+
+def parse_one(command: str, flag: str, value: str) -> tuple[int, str, object]:
+    """(exit status, stderr, parsed value) of `powerinfer COMMAND ... FLAG VALUE` at the command's parser."""
+    parser = command_parsers()[command]
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = parser.parse_args([*REQUIRED_ARGS.get(command, []), flag, value])
+    except SystemExit as stop:
+        return stop.code, stderr.getvalue(), None
+    return 0, stderr.getvalue(), getattr(args, parser._option_string_actions[flag].dest)
+
+
+@pytest.mark.parametrize("command, flag", typed_flags())
+@settings(max_examples=60, deadline=None)
+@given(value=st.sampled_from(HOSTILE_VALUES) | st.text(max_size=12) | st.integers().map(str)
+       | st.floats().map(repr))
+def test_every_flag_value_parses_or_is_one_line(command, flag, value):
+    """Any value of any flag: a sane parsed value, or one line and exit 2 (nothing reaches a command
+    that it would fail on with a traceback: NaN, infinities, integers beyond 64 bits, odd ports)."""
+    status, stderr, parsed = parse_one(command, flag, value)
+    if status != 0:
+        assert status == 2 and len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
+        return
+    for item in parsed if isinstance(parsed, list) else [parsed]:
+        if isinstance(item, float):
+            assert math.isfinite(item), (flag, value, item)
+        if isinstance(item, int):
+            assert -(2**63) <= item < 2**63, (flag, value, item)
+        if isinstance(item, str):
+            assert is_utf8(item), (flag, value)
+    if flag == "--port":
+        assert 0 <= parsed <= 65535
+
+
+def test_text_that_is_not_utf8_is_one_line(long_llm):
+    """Bytes that are not UTF-8 in -p (argv) and in chat's input (stdin); -f has its own check."""
+    result = subprocess.run([sys.executable, "-m", "powerinfer.cli", "run", "-m", str(long_llm.path), "-p", b"caf\xe9",
+                             "-n", "1"], capture_output=True, text=True, timeout=300)
+    assert_one_line_error(result, "-p/--prompt: is not valid UTF-8 text")
+    result = subprocess.run([sys.executable, "-m", "powerinfer.cli", "chat", "-m", str(long_llm.path), "-n", "1"],
+                            input=b"caf\xe9\n", capture_output=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.decode().strip() == "powerinfer chat: error: the input is not valid UTF-8 text"
