@@ -183,7 +183,26 @@ def add_generation_options(parser: argparse.ArgumentParser, chat: bool) -> None:
                         help=f"tokens {'per reply' if chat else 'to generate'}; -1 = until the end of "
                              f"{'the turn' if chat else 'text'} or the context (default: -1)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_chat_template_options(parser)
     add_sampling_options(parser)
+
+
+def add_chat_template_options(parser: argparse.ArgumentParser) -> None:
+    """--chat-template NAME|FILE, and llama.cpp's --jinja (our templates are always Jinja)."""
+    from powerinfer.chat_formats import BUILT_IN, chosen_template
+
+    def template_spec(text: str) -> str:
+        try:
+            chosen_template(text)  # refused here, before any model loads
+        except PowerInferError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return text
+
+    template_spec.__name__ = "chat template"
+    parser.add_argument("--chat-template", type=template_spec, metavar="NAME|FILE",
+                        help=f"chat template instead of the file's: a built-in ({', '.join(BUILT_IN)}) or a Jinja file "
+                             "(default: the file's; without one, a built-in chosen by architecture and tokens)")
+    parser.add_argument("--jinja", action="store_true", help="accepted for llama.cpp habits: templates are always Jinja here")
 
 
 def add_calibration_options(parser: argparse.ArgumentParser) -> None:
@@ -234,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="HTTP server: OpenAI-compatible and llama.cpp-style routes, continuous batching")
     add_model_options(serve)
+    add_chat_template_options(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     serve.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 = any free port)")
     serve.add_argument("-np", "--parallel", type=positive_int, default=4,

@@ -68,6 +68,9 @@ class LLM:
     budget covers it, "reset" to rebuild it, "disable" to keep FFNs on the CPU. See docs/hybrid.md.
     `n_gpu_layers` instead offloads the last N layers whole, as llama.cpp's -ngl does.
     `parallel`: the KV-cache slots a server will run (the placement budgets their cache).
+    `chat_template`: how chats are rendered instead of the file's template (or the built-in one
+    chosen for a file without): a built-in name (chatml, gemma, llama3, phi3, qwen, llama2), a
+    template file, or the Jinja text itself.
 
     The loaded model is shared: `engine` (made on first use) holds this object's own KV cache, and
     `new_engine` makes others over the same weights (the server's slots).
@@ -78,7 +81,7 @@ class LLM:
                  sparsity: SparsityMode = "auto", thresholds: Sequence[float] | None = None,
                  vram_budget: float | None = None, n_gpu_layers: int | None = None, gpu_index: GPUIndexMode = "reuse",
                  activations: str | os.PathLike[str] | None = None, accelerator: str | torch.device | None = None,
-                 parallel: int = 1, cache_type: CacheType | None = None):
+                 parallel: int = 1, cache_type: CacheType | None = None, chat_template: str | None = None):
         if dtype not in ("auto", "float32"):
             raise PowerInferError(f"unknown dtype {dtype!r} (expected 'auto' or 'float32')")
         if cache_type is not None and cache_type not in CACHE_TYPES:
@@ -97,6 +100,8 @@ class LLM:
         gguf = open_gguf(self.path)
         self.config = read_config(gguf)  # rejects unsupported architectures before any work
         self.tokenizer = Tokenizer.from_gguf(gguf)
+        if chat_template is not None:
+            self.tokenizer.use_chat_template(chat_template)
         gguf.drop_metadata("tokenizer.ggml.")  # the vocabulary is the tokenizer's now
         self.n_ctx = n_ctx or min(DEFAULT_N_CTX, self.config.n_ctx_train)
         self.n_batch = n_batch
@@ -229,7 +234,10 @@ class LLM:
         """Token ids of a conversation rendered with the model's chat template, ready for a reply
         (`tools`: OpenAI function definitions, for templates that render them)."""
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tools=tools)
-        return self.tokenize(text, add_bos=True)
+        bos = self.tokenizer.bos_id
+        # templates that write {{ bos_token }} themselves (Gemma's, Llama 3's) get no second one
+        starts_with_bos = bos is not None and 0 <= bos < self.tokenizer.n_vocab and text.startswith(self.tokenizer.piece(bos))
+        return self.tokenize(text, add_bos=not starts_with_bos)
 
     def chat(self, messages: Messages, max_tokens: int = 256, stop: Sequence[str] | str | None = None,
              cache_prompt: bool = False, **sampling) -> str:

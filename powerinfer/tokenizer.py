@@ -18,6 +18,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
+from powerinfer.chat_formats import BUILT_IN, chosen_template, detect
 from powerinfer.chat_template import ChatTemplate
 from powerinfer.errors import ModelFileError, UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
@@ -105,12 +106,19 @@ class Tokenizer:
     """Text <-> token ids for one model, plus its special tokens and chat template."""
 
     def __init__(self, backend: Backend, types: list[int], bos_id: int | None,
-                 eos_id: int | None, add_bos: bool, eog_ids: frozenset[int], chat_template: str | None):
+                 eos_id: int | None, add_bos: bool, eog_ids: frozenset[int], chat_template: str | None,
+                 chat_template_origin: str = "the model file"):
         self.backend = backend
         self.types = bytes(types)  # compact: one byte per token (the pieces live in the backend)
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
         self.eog_ids = eog_ids
         self.chat_template = chat_template
+        self.chat_template_origin = chat_template_origin  # "the model file", "built-in gemma", a path, ...
+        self._template = None
+
+    def use_chat_template(self, spec: str) -> None:
+        """Render chats with `spec` instead: a built-in name, a template file or a template's text."""
+        self.chat_template, self.chat_template_origin = chosen_template(spec)
         self._template = None
 
     @property
@@ -159,9 +167,13 @@ class Tokenizer:
         eog = {i for i in (eos_id, gguf.get("tokenizer.ggml.eot_token_id"), gguf.get("tokenizer.ggml.eom_token_id"))
                if i is not None and 0 <= i < len(tokens)}
         eog |= {i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in END_OF_GENERATION_TEXTS}
+        template, origin = gguf.get("tokenizer.chat_template"), "the model file"
+        if not template:  # as the model was tuned to chat, read from its architecture and vocabulary
+            name = detect(gguf.get("general.architecture", ""), lambda piece: backend.token_to_id(piece) is not None)
+            template, origin = BUILT_IN[name], f"built-in {name}"
         return cls(backend, types, bos_id, eos_id,
                    bool(gguf.get("tokenizer.ggml.add_bos_token", default_add_bos)) and bos_id is not None,
-                   frozenset(eog), gguf.get("tokenizer.chat_template"))
+                   frozenset(eog), template, origin)
 
     # -- text <-> ids ----------------------------------------------------------------------------
 
@@ -183,7 +195,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None) -> str:
-        """Render a conversation with the model's template (ChatML when the file has none), in a
+        """Render a conversation with the chat template (the file's, else a built-in one), in a
         sandbox with a time and memory budget (any failure raises `ChatTemplateError`); `tools`
         (OpenAI function definitions) go to templates that render them."""
         if self._template is None:

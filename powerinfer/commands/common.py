@@ -22,7 +22,18 @@ def load_llm(args: argparse.Namespace):
 
     return LLM(model_path(args), threads=args.threads, n_ctx=getattr(args, "ctx_size", None), dtype=args.dtype,
                cache_type=getattr(args, "cache_type", None), sparsity=getattr(args, "sparsity", "off"),
-               **hybrid_arguments(args))
+               chat_template=getattr(args, "chat_template", None), **hybrid_arguments(args))
+
+
+def load_chat_llm(args: argparse.Namespace):
+    """`load_llm` for the commands that render chats, saying in one line which template a file
+    without one gets."""
+    llm = load_llm(args)
+    origin = llm.tokenizer.chat_template_origin
+    if args.chat_template is None and origin.startswith("built-in"):
+        print(f"powerinfer: {llm.path.name} has no chat template: using the {origin} template "
+              "(--chat-template NAME|FILE for another)", file=sys.stderr)
+    return llm
 
 
 def hybrid_arguments(args: argparse.Namespace) -> dict:

@@ -81,7 +81,7 @@ def main(args: argparse.Namespace) -> int:
         from powerinfer.server.app import create_app
     except ImportError as error:
         raise PowerInferError(f"the server needs the 'serve' extra (pip install 'powerinfer[serve]'): {error}") from None
-    from powerinfer.commands.common import load_llm
+    from powerinfer.commands.common import load_chat_llm
 
     # A missing, foreign or unsupported file is refused before the server starts; rarer load
     # failures stop the server once it runs (it answers 503 on /health while loading).
@@ -94,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
         failures.append(error)
         server.should_exit = True
 
-    app = create_app(lambda: load_llm(args), on_load_error=stop, **options)
+    app = create_app(lambda: load_chat_llm(args), on_load_error=stop, **options)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:
