@@ -241,6 +241,14 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("-hf", "-hfr", "--hf-repo", dest="hf_repo", metavar="ORG/NAME[:QUANT]", help="same as the positional repo")
     pull.add_argument("-hff", "--hf-file", metavar="FILE", help="file in the repo (overrides :QUANT)")
 
+    show = commands.add_parser("show", help="what a model file holds: architecture, parameters, quantization, "
+                                            "tokenizer, chat template, sparsity (no weights loaded)")
+    show.add_argument("model", nargs="?", metavar="MODEL", help="file or Hugging Face repo ORG/NAME[:QUANT] "
+                                                                "(default: the default model)")
+    show.add_argument("-hf", "-hfr", "--hf-repo", dest="hf_repo", metavar="ORG/NAME[:QUANT]", help="Hugging Face repo")
+    show.add_argument("-hff", "--hf-file", metavar="FILE", help="file in the repo (overrides :QUANT)")
+    show.add_argument("--json", action="store_true", help="print JSON")
+
     bench = commands.add_parser("bench", help="measure prompt processing and generation speed (llama-bench style)")
     add_model_options(bench, ctx=False)
     bench.add_argument("-p", "--n-prompt", type=int_list(non_negative_int), action="extend", metavar="N[,N...]",

@@ -12,10 +12,12 @@ import numpy as np
 import torch
 
 from powerinfer.errors import ContextOverflowError, PowerInferError
+from powerinfer.gguf.file_type import file_type_label
 from powerinfer.gguf.reader import GGUFFile, open_gguf
 from powerinfer.hub import resolve_model
 from powerinfer.models import load_model, read_config
 from powerinfer.models.ffn import FFNOptions, SparsityMode
+from powerinfer.models.predictor import has_predictors
 from powerinfer.runtime.constraint import Constraint
 from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.kv_cache import CACHE_TYPES, CacheType
@@ -123,8 +125,16 @@ class LLM:
             apply_placement(self.model, self.placement)
         self.file_size = gguf.file_size
         self.n_params = sum(t.n_elements for t in gguf.tensors.values())
-        self.quant_label = gguf.dominant_type_name()
+        self.quant_label = file_type_label(gguf)  # llama.cpp's label, e.g. "Q4_K - Medium"
+        self.sparsity = sparsity if sparsity != "auto" else "predictors" if has_predictors(gguf) else "off"
         self.load_seconds = time.perf_counter() - started
+
+    def summary(self) -> str:
+        """One line about the loaded model, as `run` prints it at load."""
+        return (f"{self.config.name}: {self.config.architecture}, {self.n_params / 1e6:.2f} M parameters, "
+                f"{self.quant_label}, {self.file_size / 2**20:.2f} MiB, context {self.n_ctx} "
+                f"(trained {self.config.n_ctx_train}), {torch.get_num_threads()} threads, sparsity {self.sparsity}, "
+                f"loaded in {self.load_seconds:.2f} s")
 
     def _placement(self, gguf: GGUFFile, parallel: int, vram_budget: float | None, n_gpu_layers: int | None,
                    gpu_index: GPUIndexMode, activations, accelerator) -> Placement | None:
