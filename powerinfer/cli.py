@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from powerinfer import __version__
+from powerinfer.commands.llama_flags import add_model_flags, add_server_flags, note_flags_without_effect
 from powerinfer.errors import PowerInferError
 
 # Several letters behind one dash, as llama.cpp spells -ngl, -cnv, -sys, -hf. argparse would read an
@@ -110,6 +111,7 @@ def add_model_options(parser: argparse.ArgumentParser, ctx: bool = True, sparsit
                         help="auto: compact weights on fast kernels; float32: dequantize everything (exact, slow)")
     parser.add_argument("-ctk", "--cache-type", choices=["f16", "f32"],
                         help="KV cache type in CPU memory (default: f16, as llama.cpp; f32 with --dtype float32)")
+    add_model_flags(parser)
     if sparsity:
         parser.add_argument("--sparsity", choices=["auto", "off", "oracle"], default="auto",
                             help="auto: compute only the FFN neurons the file's predictors expect to fire (dense without "
@@ -262,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="HTTP server: OpenAI-compatible and llama.cpp-style routes, continuous batching")
     add_model_options(serve)
     add_chat_template_options(serve)
+    add_server_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     serve.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 = any free port)")
     serve.add_argument("-np", "--parallel", type=positive_int, default=4,
@@ -340,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = "chat" if getattr(args, "conversation", False) else args.command  # run -cnv is chat
+    note_flags_without_effect(args)
     module = importlib.import_module(f"powerinfer.commands.{command.replace('-', '_')}")
     try:
         return module.main(args) or 0

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from powerinfer.commands.llama_flags import cache_type
 from powerinfer.errors import PowerInferError
 from powerinfer.hub import hf_model_path, resolve_model
 
@@ -21,7 +22,8 @@ def load_llm(args: argparse.Namespace):
     from powerinfer.llm import LLM
 
     return LLM(model_path(args), threads=args.threads, n_ctx=getattr(args, "ctx_size", None), dtype=args.dtype,
-               cache_type=getattr(args, "cache_type", None), sparsity=getattr(args, "sparsity", "off"),
+               cache_type=cache_type(args), sparsity=getattr(args, "sparsity", "off"),
+               **({"n_batch": args.batch_size} if args.batch_size else {}),
                chat_template=getattr(args, "chat_template", None), **hybrid_arguments(args))
 
 

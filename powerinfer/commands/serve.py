@@ -52,8 +52,11 @@ def allowed_hosts(args: argparse.Namespace) -> frozenset[str] | None:
 
 def app_options(args: argparse.Namespace) -> dict:
     """create_app's keywords from the flags, alike for one server and for each Ray replica."""
+    from powerinfer.server.model_names import ModelNames
+
     return dict(parallel=args.parallel, allowed_hosts=allowed_hosts(args), api_keys=api_keys(args),
-                max_body_size=args.max_body_size, watchdog_seconds=args.watchdog)
+                max_body_size=args.max_body_size, watchdog_seconds=args.watchdog,
+                model_names=ModelNames.of(args.alias, args.strict_model_name))
 
 
 def checked_model(args: argparse.Namespace) -> Path:

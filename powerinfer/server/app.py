@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from importlib.metadata import version
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,6 +32,7 @@ from powerinfer.server.errors import APIError, install_handlers
 from powerinfer.server.gate import DEFAULT_MAX_BODY_SIZE, RequestGate
 from powerinfer.server.generation import ClientGone, Generation
 from powerinfer.server.metrics import Metrics
+from powerinfer.server.model_names import ModelNames
 from powerinfer.server.replica import REPLICA_LABEL, ReplicaHeader, label_series
 from powerinfer.server.replies import llama_final, llama_stream, openai_stream
 
@@ -44,11 +44,12 @@ DEFAULT_WATCHDOG_SECONDS = 120.0  # a prefill of a long prompt on a large model 
 class ServerState:
     """The model and its scheduler once loaded, or why loading failed."""
 
-    def __init__(self, parallel: int, watchdog_seconds: float):
-        self.parallel, self.watchdog_seconds = parallel, watchdog_seconds
+    def __init__(self, parallel: int, watchdog_seconds: float, names: ModelNames = ModelNames()):
+        self.parallel, self.watchdog_seconds, self.names = parallel, watchdog_seconds, names
         self.llm: LLM | None = None
         self.scheduler: Scheduler | None = None
-        self.model_id = ""  # the file's name: answers never show where the model lives
+        self.model_ids: tuple[str, ...] = ()  # the aliases, else the file's name: never where the model lives
+        self.model_id = ""  # the first of them, named in every answer
         self.load_error: Exception | None = None
         self.started = int(time.time())
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -57,7 +58,8 @@ class ServerState:
         self.metrics = Metrics()
 
     def start(self, llm: LLM) -> None:
-        self.model_id = Path(llm.path).name
+        self.model_ids = self.names.served(llm.path)
+        self.model_id = self.model_ids[0]
         self.scheduler = self.metrics.scheduler = Scheduler(llm.new_engine(self.parallel), observer=self.metrics)
         self.llm = llm
 
@@ -68,10 +70,9 @@ class ServerState:
         return self.llm, self.scheduler
 
     def check_model(self, name: str | None) -> None:
-        """Clients name the model they want: its id, or the id without extension. A path is not a
-        name (accepting it would confirm where the file lives)."""
+        """Any name is answered by the one model, unless the names are strict (`ModelNames`)."""
         llm, _ = self.ready()
-        if name and name not in {self.model_id, Path(llm.path).stem}:
+        if not self.names.accepts(name, llm.path):
             raise APIError(404, f"model {name!r} not found (this server runs {self.model_id!r})", param="model",
                            code="model_not_found")
 
@@ -108,18 +109,20 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
                on_load_error: Callable[[Exception], None] | None = None, *,
                allowed_hosts: Collection[str] | None = None, api_keys: Collection[str] = (),
                max_body_size: int = DEFAULT_MAX_BODY_SIZE,
-               watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS, replica: str | None = None) -> FastAPI:
+               watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS, replica: str | None = None,
+               model_names: ModelNames = ModelNames()) -> FastAPI:
     """The server app over `llm` (or a function that loads it), with `parallel` KV-cache slots.
 
     `allowed_hosts`: names the Host header may carry (None: any); `api_keys`: keys a request must
     present as a bearer token (none: no key needed); `max_body_size`: bytes per request body;
     `watchdog_seconds`: /health answers 503 once work has waited this long without the
     scheduler finishing a step; `replica`: this app's name among several serving the same model
-    (every answer carries it in an x-powerinfer-replica header, and /metrics labels its series with it).
+    (every answer carries it in an x-powerinfer-replica header, and /metrics labels its series with it);
+    `model_names`: the names it serves under, and whether a request naming another is refused.
     """
     if parallel < 1:
         raise PowerInferError("parallel must be >= 1")
-    state = ServerState(parallel, watchdog_seconds)
+    state = ServerState(parallel, watchdog_seconds, model_names)
 
     def load(factory: Callable[[], LLM]) -> None:
         try:
@@ -169,9 +172,10 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
     @app.get("/v1/models")
     async def models() -> dict:
         llm, _ = state.ready()
-        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.started,
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": state.started,
                                             "owned_by": "powerinfer", "meta": {"n_ctx": llm.n_ctx,
-                                                                               "n_vocab": llm.config.n_vocab}}]}
+                                                                               "n_vocab": llm.config.n_vocab}}
+                                           for name in state.model_ids]}
 
     @app.get("/props")
     async def props() -> dict:
