@@ -69,11 +69,27 @@ non_negative_float = number(float, 0)
 unit_interval = number(float, 0, 1, below=True)
 
 
+# llama-bench's range forms inside a list: first-last, first-last+step, first-last*factor.
+INT_RANGE = re.compile(r"(?P<first>\d+)-(?P<last>\d+)(?:(?P<op>[+*])(?P<step>\d+))?")
+
+
 def int_list(item: Callable[[str], int]) -> Callable[[str], list[int]]:
-    """An argparse type for llama-bench's comma lists (`-p 128,512`)."""
+    """An argparse type for llama-bench's lists: `-p 128,512`, `-t 1-4`, `-p 64-512*2`, `-n 1-9+4`."""
+
+    def expand(part: str) -> list[int]:
+        found = INT_RANGE.fullmatch(part)
+        if found is None:
+            return [item(part)]
+        first, last, op, step = int(found["first"]), int(found["last"]), found["op"] or "+", int(found["step"] or 1)
+        if last < first or step < (2 if op == "*" else 1) or first == 0 and op == "*":
+            raise argparse.ArgumentTypeError(f"bad range {part!r}")
+        values = [first]
+        while (values[-1] * step if op == "*" else values[-1] + step) <= last:
+            values.append(values[-1] * step if op == "*" else values[-1] + step)
+        return [item(str(v)) for v in values]
 
     def parse(text: str) -> list[int]:
-        return [item(part) for part in text.split(",")]
+        return [value for part in text.split(",") for value in expand(part)]
 
     parse.__name__ = "comma-separated list"
     return parse
@@ -100,9 +116,14 @@ def add_model_source(parser: argparse.ArgumentParser, required: bool = False) ->
     parser.add_argument("-hff", "--hf-file", metavar="FILE", help="file in the Hugging Face repo (overrides :QUANT)")
 
 
-def add_model_options(parser: argparse.ArgumentParser, ctx: bool = True, sparsity: bool = True) -> None:
+def add_model_options(parser: argparse.ArgumentParser, ctx: bool = True, sparsity: bool = True,
+                      thread_lists: bool = False) -> None:
     add_model_source(parser)
-    parser.add_argument("-t", "--threads", type=positive_int, help="CPU threads (default: torch's choice, the physical cores)")
+    if thread_lists:  # bench: one run of the tests per count, as llama-bench's -t 1,2
+        parser.add_argument("-t", "--threads", type=int_list(positive_int), action="extend", metavar="N[,N...]",
+                            help="CPU thread counts to measure with (default: torch's choice, the physical cores)")
+    else:
+        parser.add_argument("-t", "--threads", type=positive_int, help="CPU threads (default: torch's choice, the physical cores)")
     if ctx:
         parser.add_argument("-c", "--ctx-size", type=positive_int, help="context size in tokens (default: min(4096, training context))")
     parser.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", type=non_negative_int, metavar="N",
@@ -252,9 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true", help="print JSON")
 
     bench = commands.add_parser("bench", help="measure prompt processing and generation speed (llama-bench style)")
-    add_model_options(bench, ctx=False)
+    add_model_options(bench, ctx=False, thread_lists=True)
     bench.add_argument("-p", "--n-prompt", type=int_list(non_negative_int), action="extend", metavar="N[,N...]",
-                       help="prompt lengths for the pp tests; 0 = none (default: 512)")
+                       help="prompt lengths for the pp tests (lists, ranges A-B, A-B+STEP, A-B*FACTOR); 0 = none "
+                            "(default: 512)")
     bench.add_argument("-n", "--n-gen", type=int_list(non_negative_int), action="extend", metavar="N[,N...]",
                        help="generation lengths for the tg tests; 0 = none (default: 128)")
     bench.add_argument("-r", "--repetitions", type=positive_int, default=5, help="repetitions of each test (default: 5)")

@@ -81,3 +81,39 @@ def test_aliases_name_the_model(named_server, default_llm):
         assert_error(httpx.post(f"{server.url}/v1/completions", json={"model": path, "prompt": "x"}), 404, "model")
     else:
         assert other.status_code == 200 and other.json()["model"] == "tiny-chat"
+
+
+@pytest.mark.parametrize("text, expected", [("1,2", [1, 2]), ("1-4", [1, 2, 3, 4]), ("64-512*2", [64, 128, 256, 512]),
+                                            ("1-9+4,16", [1, 5, 9, 16])])
+def test_bench_takes_llama_benchs_list_forms(text, expected):
+    assert parse(["bench", "-t", text]).threads == expected
+    assert parse(["bench", "-p", text, "-n", text]).n_prompt == expected
+
+
+@pytest.mark.parametrize("text", ["4-1", "1-8*1", "a-b", "1,,2"])
+def test_bad_lists_are_one_line(text, tmp_path):
+    assert_one_line_error(powerinfer("bench", "-m", str(tmp_path / "none.gguf"), "-t", text), "argument -t/--threads")
+
+
+def test_bench_threads_backend_label_and_sparsity(default_model, tmp_path):
+    """The label is general.file_type's as llama-bench prints it (here a file stamped Q4_K_M), the
+    backend the instruction set the kernels ran with, one run of the tests per thread count."""
+    import json
+
+    from gguf import GGUFValueType
+
+    from powerinfer.convert.model import gguf_source, write_model
+    from powerinfer.ops import native
+
+    source = gguf_source(default_model)
+    source.typed_metadata["general.file_type"] = (15, GGUFValueType.UINT32, None)
+    stamped = tmp_path / "stamped.gguf"
+    write_model(source, stamped, progress=False)
+    result = powerinfer("bench", "-m", str(stamped), "-p", "8", "-n", "2", "-r", "1", "-t", "1,2", "-o", "jsonl")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(r["n_threads"], r["n_prompt"], r["n_gen"]) for r in records] == [(1, 8, 0), (1, 0, 2), (2, 8, 0), (2, 0, 2)]
+    ops = native.load()
+    assert {r["backends"] for r in records} == {"CPU (torch)" if ops is None else f"CPU ({ops.isa()})"}
+    assert {r["sparsity"] for r in records} == {"off"}
+    assert all(r["model_type"].endswith(" Q4_K - Medium") for r in records)
