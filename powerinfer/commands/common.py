@@ -73,6 +73,14 @@ def read_prompt(args: argparse.Namespace) -> str | None:
 DEFAULT_TARGET_SPARSITY = 0.5
 
 
+def check_calibration_flags(args: argparse.Namespace) -> None:
+    """What profile and train-predictors can refuse before loading anything."""
+    from powerinfer.sparsity.profiler import MIN_CALIBRATION_TOKENS
+
+    if args.tokens < MIN_CALIBRATION_TOKENS:
+        raise PowerInferError(f"--tokens {args.tokens}: calibration needs at least {MIN_CALIBRATION_TOKENS} tokens")
+
+
 def calibration_ids(args: argparse.Namespace, llm, text: str) -> list[int]:
     """The calibration text's token ids, refused when too short, and the firing target settled:
     SiLU/GELU neurons are never exactly zero, so "fired" needs a threshold: without
