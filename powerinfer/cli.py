@@ -8,7 +8,6 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 
-from powerinfer import __version__
 from powerinfer.commands.llama_flags import add_model_flags, add_server_flags, note_flags_without_effect
 from powerinfer.errors import PowerInferError
 
@@ -36,6 +35,16 @@ class OneLineParser(argparse.ArgumentParser):
             if MULTI_LETTER_FLAG.fullmatch(arg) and arg not in self._option_string_actions:
                 self.error(f"unknown flag {arg} (single-dash flags are read whole, never as {arg[:2]} "
                            f"with the value {arg[2:]!r}; write '{arg[:2]} VALUE' with a space for that)")
+
+
+class VersionAction(argparse.Action):
+    """--version: the build, computed only when asked (it imports torch)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from powerinfer.build_info import build_lines
+
+        print("\n".join(build_lines()))
+        parser.exit(0)
 
 
 def number(kind: type, low: float | None = None, high: float | None = None, *, above: bool = False,
@@ -245,7 +254,8 @@ def add_force_option(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="powerinfer", description="LLM inference on GGUF models with activation sparsity.")
-    parser.add_argument("--version", action="version", version=f"powerinfer {__version__}")
+    parser.add_argument("--version", action=VersionAction, nargs=0,
+                        help="print the version, commit, native instruction set, torch version and CUDA, and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
 
     run = commands.add_parser("run", help="generate text from a prompt")

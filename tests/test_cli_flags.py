@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import re
+from pathlib import Path
 
 import pytest
 
@@ -74,10 +76,25 @@ def test_glued_numbers_still_work():
 
 
 def test_version(capsys):
+    """As llama-cli --version: the build (commit), the instruction set, torch, and CUDA."""
+    import subprocess
+
+    import torch
+
+    from powerinfer.ops import native
+
     with pytest.raises(SystemExit) as exit_info:
         parse("--version")
     assert exit_info.value.code == 0
-    assert capsys.readouterr().out.strip() == f"powerinfer {importlib.metadata.version('powerinfer')}"
+    lines = capsys.readouterr().out.strip().splitlines()
+    package = Path(__file__).parent.parent / "powerinfer"
+    head = subprocess.run(["git", "-C", str(package), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    version, commit = re.fullmatch(r"powerinfer (\S+) \(commit (\w+)\)", lines[0]).groups()
+    assert version == importlib.metadata.version("powerinfer") and head.startswith(commit)
+    ops = native.load()
+    assert lines[1].startswith("native kernels: " + ("unavailable" if ops is None else ops.isa()))
+    assert lines[2] == f"torch {torch.__version__}"
+    assert lines[3].startswith("CUDA: usable" if torch.cuda.is_available() else "CUDA: not usable")
 
 
 @pytest.mark.parametrize("flag, value", [

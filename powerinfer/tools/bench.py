@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 
 import torch
 
-from powerinfer import __version__
+from powerinfer.build_info import commit
 from powerinfer.llm import LLM
 from powerinfer.ops import native
 
@@ -145,7 +145,7 @@ def record(setup: BenchSetup, result: BenchResult, backend: str) -> dict:
     backends and options are left out)."""
     samples_ns = [round(s * 1e9) for s in result.seconds]
     return {
-        "build_commit": __version__,
+        "build_commit": commit(),
         "cpu_info": _cpu_name(),
         "gpu_info": torch.cuda.get_device_name() if torch.cuda.is_available() else "",
         "backends": backend,
