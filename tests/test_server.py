@@ -902,6 +902,9 @@ OPENAI_FIELDS = {
     "response_format": st.sampled_from([None, {"type": "text"}, {"type": "json_object"},
                                         {"type": "json_schema", "json_schema": {"name": "a", "schema": SMALL_SCHEMA}}]),
     "user": st.text(max_size=5),
+    "guided_json": st.none() | st.just(SMALL_SCHEMA), "guided_regex": st.none() | st.just("[a-c]{1,3}"),
+    "guided_choice": st.none() | st.just(["x", "y"]), "guided_grammar": st.none() | st.just('start: "a"'),
+    "guided_decoding_backend": st.none() | st.text(max_size=5), "guided_whitespace_pattern": st.none() | JSON,
 }
 COMPLETION_FIELDS = {
     "prompt": st.text(max_size=30) | TOKEN_IDS,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from powerinfer.api.guided import guided_grammar
 from powerinfer.api.schemas import ChatRequest, CompletionRequest, OpenAIRequest
 from powerinfer.api.tools import ToolFormat, template_messages, tool_format, tool_grammar
 from powerinfer.errors import PowerInferError
@@ -31,8 +32,13 @@ class Prepared:
 
 
 def _grammar(llm: LLM, request: OpenAIRequest, tools: ToolFormat | None) -> Constraint | None:
+    guides = request.guides()
     if tools is not None:
+        if guides:
+            raise PowerInferError(f"{guides[0]} with tools: use one or the other")
         grammar = tool_grammar(request, tools)  # type: ignore[arg-type] - only chat requests have tools
+    elif guides:
+        grammar = guided_grammar(guides[0], getattr(request, guides[0]))
     elif request.response_format is None or request.response_format.type == "text":
         return None
     elif request.response_format.type == "json_object":

@@ -44,6 +44,8 @@ TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 LogitBias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(ge=-100.0, le=100.0)]]
 MAX_CHOICES = 16
+MAX_GUIDE_LENGTH = 65536  # characters of a guided regex, choice or grammar
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's
 
 
 class Body(BaseModel):
@@ -167,6 +169,14 @@ class OpenAIRequest(Sampling):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None  # a caller's tag for its end users; nothing to do with it here
+    # vLLM's guided decoding (powerinfer/api/guided.py), at most one of them
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: Annotated[str, Field(min_length=1, max_length=MAX_GUIDE_LENGTH)] | None = None
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_GUIDE_LENGTH)]],
+                             Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: Annotated[str, Field(min_length=1, max_length=MAX_GUIDE_LENGTH)] | None = None
+    guided_decoding_backend: str | None = None  # vLLM's choice of engine: ours is llguidance, whatever it names
+    guided_whitespace_pattern: None = None  # vLLM's JSON whitespace: ours is fixed (any value is refused)
 
     @model_validator(mode="before")
     @classmethod
@@ -183,6 +193,19 @@ class OpenAIRequest(Sampling):
         if unknown:
             log.warning("ignoring fields nobody defines: %s", ", ".join(unknown))
         return self
+
+    @model_validator(mode="after")
+    def _one_guide(self) -> OpenAIRequest:
+        guides = self.guides()
+        if len(guides) > 1:
+            raise ValueError(f"{' and '.join(guides)}: give one guided_* field at most")
+        if guides and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"{guides[0]} with response_format: use one or the other")
+        return self
+
+    def guides(self) -> list[str]:
+        """The guided_* fields given (vLLM's)."""
+        return [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
 
     @property
     def choices(self) -> int:
