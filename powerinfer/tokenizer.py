@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -102,18 +102,44 @@ def _sentencepiece_backend(tokens: list[str], scores: list[float], types: list[i
     return backend
 
 
+class FIMTokens(NamedTuple):
+    """The tokens that mark a fill-in-the-middle prompt: prefix, then suffix, then the middle to write."""
+
+    prefix: int
+    suffix: int
+    middle: int
+
+
+# llama.cpp's keys for them, else the token texts the families that have them use.
+FIM_KEYS = ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.fim_mid_token_id")
+FIM_TEXTS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+             ("<|fim▁begin|>", "<|fim▁hole|>", "<|fim▁end|>"), ("<PRE>", "<SUF>", "<MID>"))
+
+
+def _fim_tokens(gguf: GGUFFile, backend: Backend, n_vocab: int) -> FIMTokens | None:
+    ids = [gguf.get(key) for key in FIM_KEYS]
+    if all(isinstance(i, int) and 0 <= i < n_vocab for i in ids):
+        return FIMTokens(*ids)
+    for texts in FIM_TEXTS:
+        found = [backend.token_to_id(text) for text in texts]
+        if None not in found:
+            return FIMTokens(*found)
+    return None
+
+
 class Tokenizer:
     """Text <-> token ids for one model, plus its special tokens and chat template."""
 
     def __init__(self, backend: Backend, types: list[int], bos_id: int | None,
                  eos_id: int | None, add_bos: bool, eog_ids: frozenset[int], chat_template: str | None,
-                 chat_template_origin: str = "the model file"):
+                 chat_template_origin: str = "the model file", fim_ids: FIMTokens | None = None):
         self.backend = backend
         self.types = bytes(types)  # compact: one byte per token (the pieces live in the backend)
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
         self.eog_ids = eog_ids
         self.chat_template = chat_template
         self.chat_template_origin = chat_template_origin  # "the model file", "built-in gemma", a path, ...
+        self.fim_ids = fim_ids  # fill-in-the-middle markers, when the vocabulary has them
         self._template = None
 
     def use_chat_template(self, spec: str) -> None:
@@ -173,7 +199,7 @@ class Tokenizer:
             template, origin = BUILT_IN[name], f"built-in {name}"
         return cls(backend, types, bos_id, eos_id,
                    bool(gguf.get("tokenizer.ggml.add_bos_token", default_add_bos)) and bos_id is not None,
-                   frozenset(eog), template, origin)
+                   frozenset(eog), template, origin, _fim_tokens(gguf, backend, len(tokens)))
 
     # -- text <-> ids ----------------------------------------------------------------------------
 

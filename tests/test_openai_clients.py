@@ -51,3 +51,63 @@ def test_bad_guides_get_400(server, body, fragment):  # noqa: F811
 def test_guided_fields_through_the_python_api(default_llm):
     text = default_llm.create_completion("Paris is", max_tokens=8, temperature=0, guided_choice=["big", "small"])
     assert text["choices"][0]["text"] in {"big", "small"}
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_llm_logits(client, model_id, default_llm):  # noqa: F811
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs, max_tokens 0."""
+    import torch
+
+    prompt = "The capital of France is Paris"
+    answer = client.completions.create(model=model_id, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+    choice = answer.choices[0]
+    ids = default_llm.tokenize(prompt)
+    expected = torch.log_softmax(torch.from_numpy(default_llm.logits(ids)).double(), dim=-1)
+    assert choice.text == prompt and choice.logprobs.tokens == [default_llm.detokenize([i]) for i in ids]
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([float(expected[i - 1, ids[i]]) for i in range(1, len(ids))],
+                                                               abs=1e-4)
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs[1:])
+    assert answer.usage.completion_tokens == 0 and answer.usage.prompt_tokens == len(ids)
+    # with generation: the prompt, then the completion; streamed alike
+    whole = client.completions.create(model=model_id, prompt=prompt, echo=True, max_tokens=4, temperature=0)
+    assert whole.choices[0].text == prompt + default_llm.generate(prompt, max_tokens=4, temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model_id, prompt=prompt, echo=True, max_tokens=4, temperature=0, stream=True) if c.choices)
+    assert streamed == whole.choices[0].text
+    local = default_llm.create_completion(prompt, echo=True, logprobs=2, max_tokens=0)
+    assert local["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(choice.logprobs.token_logprobs)
+
+
+def test_suffix_needs_fill_in_the_middle_tokens(server, default_model, tmp_path):  # noqa: F811
+    from gguf import GGUFValueType
+
+    from powerinfer import LLM
+    from powerinfer.convert.model import gguf_source, write_model
+
+    response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "def f(", "suffix": "  return x", "max_tokens": 2})
+    assert "no fill-in-the-middle tokens" in assert_error(response, 400)["message"]
+    # the same vocabulary, told (as llama.cpp's keys tell it) which tokens mark prefix, suffix and middle
+    source = gguf_source(default_model)
+    for key, token in (("pre", 3), ("suf", 4), ("mid", 5)):
+        source.typed_metadata[f"tokenizer.ggml.fim_{key}_token_id"] = (token, GGUFValueType.UINT32, None)
+    path = tmp_path / "fim.gguf"
+    write_model(source, path, progress=False)
+    llm = LLM(path, n_ctx=256)
+    answer = llm.create_completion("def add(a, b):", suffix="\nprint(add(1, 2))", max_tokens=6, temperature=0)
+    ids = [3, *llm.tokenize("def add(a, b):", add_bos=False), 4, *llm.tokenize("\nprint(add(1, 2))", add_bos=False), 5]
+    assert answer["choices"][0]["text"] == llm.generate(ids, max_tokens=6, temperature=0)
+    assert answer["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_best_of_answers_the_likeliest(client, model_id, default_llm):  # noqa: F811
+    prompt = "Once upon a time"
+    every = client.completions.create(model=model_id, prompt=prompt, n=3, max_tokens=5, temperature=1.0, seed=7,
+                                      logprobs=0)
+    mean = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in every.choices]
+    best = client.completions.create(model=model_id, prompt=prompt, n=1, best_of=3, max_tokens=5, temperature=1.0,
+                                     seed=7)
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    assert best.choices[0].text == every.choices[max(range(3), key=mean.__getitem__)].text
+    assert best.usage.completion_tokens == every.usage.completion_tokens  # every candidate was generated
+    error = httpx.post(f"{client.base_url}completions", json={"prompt": "x", "n": 2, "best_of": 1})
+    assert "best_of (1) must be at least n (2)" in assert_error(error, 400)["message"]

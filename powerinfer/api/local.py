@@ -50,6 +50,8 @@ def _events(llm: LLM, prepared: Prepared) -> Iterator[Event]:
 
 
 def _answer(llm: LLM, body: OpenAIRequest, prepared: Prepared, chat: bool) -> dict | Iterator[dict]:
+    if prepared.echo is not None:
+        prepared.echo.score(llm)
     reply = OpenAIReply(llm.path.name, llm.tokenizer, prepared, chat)
     if body.stream:
         return _stream(llm, reply, prepared, body.stream_options is not None and body.stream_options.include_usage)

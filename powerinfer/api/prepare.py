@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from powerinfer.api.echo import Echo
 from powerinfer.api.guided import guided_grammar
 from powerinfer.api.schemas import ChatRequest, CompletionRequest, OpenAIRequest
 from powerinfer.api.tools import ToolFormat, template_messages, tool_format, tool_grammar
@@ -29,6 +30,8 @@ class Prepared:
     sequences: list[GenerationSequence]
     logprobs: bool
     tools: ToolFormat | None = None
+    echo: Echo | None = None  # completions' echo of the prompt
+    keep: int | None = None  # best_of: answer with this many of the sequences, the likeliest
 
 
 def _grammar(llm: LLM, request: OpenAIRequest, tools: ToolFormat | None) -> Constraint | None:
@@ -48,7 +51,7 @@ def _grammar(llm: LLM, request: OpenAIRequest, tools: ToolFormat | None) -> Cons
     return Constraint(llm.tokenizer, llm.config.n_vocab, grammar)
 
 
-def _sequences(llm: LLM, request: OpenAIRequest, prompt: str | list[int], max_tokens: int, logprobs: int | None,
+def _sequences(llm: LLM, request: OpenAIRequest, prompt: list[int], max_tokens: int, logprobs: int | None,
                tools: ToolFormat | None = None) -> list[GenerationSequence]:
     sampling = request.sampling()
     bad = [t for t in sampling["logit_bias"] if t >= llm.config.n_vocab]
@@ -61,10 +64,29 @@ def _sequences(llm: LLM, request: OpenAIRequest, prompt: str | list[int], max_to
     return [first, *(first.fork(None if seed is None else (seed + i) % 2**64) for i in range(1, request.choices))]
 
 
+def _completion_prompt(llm: LLM, request: CompletionRequest) -> list[int]:
+    """The prompt's ids; with `suffix`, in the model's fill-in-the-middle order (prefix, suffix, middle)."""
+    prompt = request.single_prompt()
+    if not request.suffix:
+        return llm.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+    fim = llm.tokenizer.fim_ids
+    if fim is None:
+        raise PowerInferError("suffix: this model has no fill-in-the-middle tokens")
+    before = llm.tokenize(prompt, add_bos=False) if isinstance(prompt, str) else list(prompt)
+    bos = [llm.tokenizer.bos_id] if llm.tokenizer.add_bos else []
+    return [*bos, fim.prefix, *before, fim.suffix, *llm.tokenize(request.suffix, add_bos=False), fim.middle]
+
+
 def prepare_completion(llm: LLM, request: CompletionRequest) -> Prepared:
     max_tokens = COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
-    return Prepared(_sequences(llm, request, request.single_prompt(), max_tokens, request.logprobs),
-                    logprobs=request.logprobs is not None)
+    ids = _completion_prompt(llm, request)
+    ranked = request.choices > (request.n or 1)  # best_of: every sequence's logprobs rank it
+    logprobs = request.logprobs if request.logprobs is not None or not ranked else 0
+    sequences = _sequences(llm, request, ids, max_tokens, logprobs)  # checks the ids first
+    prompt = request.single_prompt()
+    echo = Echo(prompt if isinstance(prompt, str) else llm.detokenize(prompt), ids, request.logprobs) \
+        if request.echo else None
+    return Prepared(sequences, logprobs=request.logprobs is not None, echo=echo, keep=request.n or 1 if ranked else None)
 
 
 def prepare_chat(llm: LLM, request: ChatRequest) -> Prepared:

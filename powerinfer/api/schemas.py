@@ -215,15 +215,25 @@ class OpenAIRequest(Sampling):
 class CompletionRequest(OpenAIRequest):
     """POST /v1/completions. A prompt is text or token ids (a batch of one is accepted too)."""
 
-    UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
-        "suffix": lambda v: v in (None, ""),
-        "echo": lambda v: v in (None, False),
-        "best_of": lambda v: v in (None, 1),
-    }
-
     prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[
         list[TokenIds], Field(min_length=1, max_length=1)]
     logprobs: TopLogprobs | None = None
+    echo: bool | None = False  # the prompt first, with its logprobs when asked (powerinfer/api/echo.py)
+    suffix: str | None = None  # fill in the middle, between the prompt and this
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None  # sample this many, answer the likeliest n
+
+    @model_validator(mode="after")
+    def _best_of_covers_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < (self.n or 1):
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.stream and (self.best_of or 1) > (self.n or 1):
+            raise ValueError("best_of greater than n cannot stream (the best are known only at the end)")
+        return self
+
+    @property
+    def choices(self) -> int:
+        """Sequences to generate: best_of of them when given."""
+        return self.best_of or self.n or 1
 
     def single_prompt(self) -> str | list[int]:
         batch = isinstance(self.prompt, list) and bool(self.prompt) and isinstance(self.prompt[0], str | list)

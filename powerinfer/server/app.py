@@ -217,6 +217,8 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
             raise APIError(400, f"n={body.choices} is more than the server's {scheduler.n_slots} slots (--parallel)",
                            param="n")
         prepared = await run_in_threadpool(prepare, llm, body)
+        if prepared.echo is not None:  # the prompt's logprobs: on the scheduler's thread, which drives the model
+            await asyncio.wrap_future(scheduler.call(lambda _: prepared.echo.score(llm)))
         generation = state.generation(scheduler, prepared.sequences)
         reply = OpenAIReply(state.model_id, llm.tokenizer, prepared, chat)
         if body.stream:
