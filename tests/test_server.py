@@ -590,9 +590,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"the": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}}, None),  # beyond the vocabulary
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
-    ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
-    ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "echo": "loud"}, "echo"),
+    ("/v1/completions", {"prompt": "x", "suffix": "end"}, None),  # the model has no fill-in-the-middle tokens
+    ("/v1/completions", {"prompt": "x", "best_of": 0}, "best_of"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "nonsense"}}}}, None),
