@@ -45,6 +45,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--embeddings", action="store_true", help="accepted; /v1/embeddings is always served")
     parser.add_argument("--metrics", action="store_true", help="accepted; /metrics is always served")
     parser.add_argument("-cb", "--cont-batching", action="store_true", help="accepted; continuous batching is always on")
+    parser.add_argument("--log-format", choices=["text", "json"], default="text",
+                        help="the server's log lines, one per request among them: text or one JSON object a line "
+                             "(default: text)")
 
 
 def cache_type(args: argparse.Namespace) -> str | None:

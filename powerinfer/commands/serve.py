@@ -82,6 +82,7 @@ def main(args: argparse.Namespace) -> int:
         import uvicorn
 
         from powerinfer.server.app import create_app
+        from powerinfer.server.request_log import configure_logging
     except ImportError as error:
         raise PowerInferError(f"the server needs the 'serve' extra (pip install 'powerinfer[serve]'): {error}") from None
     from powerinfer.commands.common import load_chat_llm
@@ -106,7 +107,10 @@ def main(args: argparse.Namespace) -> int:
             app.state.server.begin_shutdown()
             super().handle_exit(sig, frame)
 
-    server = Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
+    configure_logging(args.log_format)
+    # our request lines replace uvicorn's access log; in json mode we format uvicorn's lines too
+    server = Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5, access_log=False,
+                                   **({"log_config": None} if args.log_format == "json" else {})))
     host, port = sock.getsockname()[:2]
     print(f"powerinfer serve: listening on http://{host}:{port} ({args.parallel} slots); loading the model ...",
           file=sys.stderr)

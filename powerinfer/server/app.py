@@ -35,6 +35,7 @@ from powerinfer.server.metrics import Metrics
 from powerinfer.server.model_names import ModelNames
 from powerinfer.server.replica import REPLICA_LABEL, ReplicaHeader, label_series
 from powerinfer.server.replies import llama_final, llama_stream, openai_stream
+from powerinfer.server.request_log import RequestLog, note_generation
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -102,6 +103,7 @@ class ServerState:
             raise APIError(503, "the server is shutting down", type="unavailable_error")
         generation = Generation(scheduler, sequences, on_end=self.live.discard)
         self.live.add(generation)
+        note_generation(generation)
         return generation
 
 
@@ -150,6 +152,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
     app.add_middleware(RequestGate, allowed_hosts=allowed_hosts, api_keys=api_keys, max_body_size=max_body_size)
     if replica is not None:  # added last, so outermost: the gate's refusals name the replica too
         app.add_middleware(ReplicaHeader, name=replica)
+    app.add_middleware(RequestLog)  # outermost: refused requests get their line too
     install_handlers(app)
 
     @app.exception_handler(ClientGone)
