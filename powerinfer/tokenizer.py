@@ -9,9 +9,11 @@ Control tokens (type 3) and user-defined tokens (type 4) are matched whole in th
 
 from __future__ import annotations
 
+import json
 import warnings
 from array import array
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -203,13 +205,27 @@ class Tokenizer:
 
     # -- text <-> ids ----------------------------------------------------------------------------
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """Token ids of `text`, special tokens parsed; BOS first when `add_bos` and the model wants it."""
-        return self.encode_batch([text], add_bos)[0]  # encode_batch releases the GIL; encode holds it
+    def encode(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        """Token ids of `text`, special tokens' texts read as those tokens unless `special` is false
+        (then as plain text, as llama.cpp's parse_special=false); BOS first when `add_bos` and the
+        model wants it."""
+        return self.encode_batch([text], add_bos, special)[0]  # encode_batch releases the GIL; encode holds it
 
-    def encode_batch(self, texts: Sequence[str], add_bos: bool = True) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], add_bos: bool = True, special: bool = True) -> list[list[int]]:
         prefix = [self.bos_id] if add_bos and self.add_bos else []
-        return [prefix + e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+        encoded = [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+        if not special:  # only texts that held a special token's text read differently as plain text
+            redo = [i for i, ids in enumerate(encoded) if any(self.types[t] == CONTROL for t in ids)]
+            for i, e in zip(redo, self._plain_backend.encode_batch([texts[i] for i in redo], add_special_tokens=False)):
+                encoded[i] = e.ids
+        return [prefix + ids for ids in encoded]
+
+    @cached_property
+    def _plain_backend(self) -> Backend:
+        """The backend without its special tokens (only made when a text needs it)."""
+        spec = json.loads(self.backend.to_str())
+        spec["added_tokens"] = [t for t in spec["added_tokens"] if not t["special"]]
+        return Backend.from_str(json.dumps(spec))
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)

@@ -68,13 +68,13 @@ def _completion_prompt(llm: LLM, request: CompletionRequest) -> list[int]:
     """The prompt's ids; with `suffix`, in the model's fill-in-the-middle order (prefix, suffix, middle)."""
     prompt = request.single_prompt()
     if not request.suffix:
-        return llm.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        return llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     fim = llm.tokenizer.fim_ids
     if fim is None:
         raise PowerInferError("suffix: this model has no fill-in-the-middle tokens")
-    before = llm.tokenize(prompt, add_bos=False) if isinstance(prompt, str) else list(prompt)
+    before = llm.tokenizer.encode(prompt, add_bos=False) if isinstance(prompt, str) else list(prompt)
     bos = [llm.tokenizer.bos_id] if llm.tokenizer.add_bos else []
-    return [*bos, fim.prefix, *before, fim.suffix, *llm.tokenize(request.suffix, add_bos=False), fim.middle]
+    return [*bos, fim.prefix, *before, fim.suffix, *llm.tokenizer.encode(request.suffix, add_bos=False), fim.middle]
 
 
 def prepare_completion(llm: LLM, request: CompletionRequest) -> Prepared:
@@ -84,7 +84,7 @@ def prepare_completion(llm: LLM, request: CompletionRequest) -> Prepared:
     logprobs = request.logprobs if request.logprobs is not None or not ranked else 0
     sequences = _sequences(llm, request, ids, max_tokens, logprobs)  # checks the ids first
     prompt = request.single_prompt()
-    echo = Echo(prompt if isinstance(prompt, str) else llm.detokenize(prompt), ids, request.logprobs) \
+    echo = Echo(prompt if isinstance(prompt, str) else llm.detokenize(prompt, special=True), ids, request.logprobs) \
         if request.echo else None
     return Prepared(sequences, logprobs=request.logprobs is not None, echo=echo, keep=request.n or 1 if ranked else None)
 

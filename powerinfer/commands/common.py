@@ -87,7 +87,7 @@ def calibration_ids(args: argparse.Namespace, llm, text: str) -> list[int]:
     --target-sparsity or --target-error, the one half of each layer's neurons stays under."""
     from powerinfer.sparsity.profiler import require_calibration_tokens
 
-    ids = llm.tokenize(text, add_bos=False)
+    ids = llm.tokenizer.encode(text, add_bos=False)
     require_calibration_tokens(ids, args.tokens)  # before the note below: a refusal is one line
     activation = llm.config.activation
     if args.target_sparsity is None and args.target_error is None and not activation.is_relu_family:

@@ -17,7 +17,7 @@ def main(args: argparse.Namespace) -> int:
     text = read_text(args.file)
     args.ctx_size = args.ctx_size or 512  # llama-perplexity's default window
     llm = load_llm(args)
-    tokens = llm.tokenize(text, add_bos=True)
+    tokens = llm.tokenizer.encode(text, add_bos=True)
     bos = llm.tokenizer.bos_id if llm.tokenizer.add_bos else None
     chunks = chunks_of(tokens, llm.n_ctx, args.chunks, bos)
     print(f"perplexity: {len(tokens)} tokens, {len(chunks)} chunks of {llm.n_ctx}", file=sys.stderr)

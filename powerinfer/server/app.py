@@ -202,7 +202,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
     @app.post("/tokenize")
     async def tokenize(body: schemas.TokenizeRequest) -> dict:
         llm, _ = state.ready()
-        return {"tokens": await run_in_threadpool(llm.tokenize, body.content, add_bos=body.add_special)}
+        return {"tokens": await run_in_threadpool(llm.tokenize, body.content, add_bos=body.add_special, special=True)}
 
     @app.post("/detokenize")
     async def detokenize(body: schemas.DetokenizeRequest) -> dict:
@@ -210,7 +210,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
         bad = [t for t in body.tokens if t >= llm.config.n_vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is out of range (vocabulary of {llm.config.n_vocab})", param="tokens")
-        return {"content": llm.detokenize(body.tokens)}
+        return {"content": llm.detokenize(body.tokens, special=True)}
 
     async def openai_answer(body: schemas.OpenAIRequest, prepare: Callable[[LLM, Any], Prepared],
                             request: Request, chat: bool) -> Response:
