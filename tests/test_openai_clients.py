@@ -111,3 +111,24 @@ def test_best_of_answers_the_likeliest(client, model_id, default_llm):  # noqa: 
     assert best.usage.completion_tokens == every.usage.completion_tokens  # every candidate was generated
     error = httpx.post(f"{client.base_url}completions", json={"prompt": "x", "n": 2, "best_of": 1})
     assert "best_of (1) must be at least n (2)" in assert_error(error, 400)["message"]
+
+
+def test_a_batch_of_prompts(client, model_id, default_llm):  # noqa: F811
+    """prompt as a list of texts or of token lists: each prompt's n choices, numbered prompt by prompt."""
+    prompts = ["The capital of France is", "Water is", "My favourite colour"]
+    expected = [default_llm.generate(p, max_tokens=3, temperature=0) for p in prompts]
+    answer = client.completions.create(model=model_id, prompt=prompts, n=2, max_tokens=3, temperature=0)
+    assert [c.index for c in answer.choices] == list(range(6))
+    assert [c.text for c in answer.choices] == [e for e in expected for _ in range(2)]
+    assert answer.usage.prompt_tokens == sum(len(default_llm.tokenize(p)) for p in prompts)
+    assert answer.usage.completion_tokens == sum(len(default_llm.tokenize(e, add_bos=False)) for e in expected) * 2
+    as_ids = client.completions.create(model=model_id, prompt=[default_llm.tokenize(p) for p in prompts], max_tokens=3,
+                                       temperature=0)
+    assert [c.text for c in as_ids.choices] == expected
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(model=model_id, prompt=prompts, max_tokens=3, temperature=0, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == expected
+    local = default_llm(prompts, max_tokens=3, temperature=0)
+    assert [c["text"] for c in local["choices"]] == expected

@@ -32,6 +32,7 @@ class Prepared:
     tools: ToolFormat | None = None
     echo: Echo | None = None  # completions' echo of the prompt
     keep: int | None = None  # best_of: answer with this many of the sequences, the likeliest
+    first_index: int = 0  # the number of its first choice (a batch of prompts numbers them on)
 
 
 def _grammar(llm: LLM, request: OpenAIRequest, tools: ToolFormat | None) -> Constraint | None:
@@ -64,9 +65,8 @@ def _sequences(llm: LLM, request: OpenAIRequest, prompt: list[int], max_tokens: 
     return [first, *(first.fork(None if seed is None else (seed + i) % 2**64) for i in range(1, request.choices))]
 
 
-def _completion_prompt(llm: LLM, request: CompletionRequest) -> list[int]:
+def _completion_prompt(llm: LLM, request: CompletionRequest, prompt: str | list[int]) -> list[int]:
     """The prompt's ids; with `suffix`, in the model's fill-in-the-middle order (prefix, suffix, middle)."""
-    prompt = request.single_prompt()
     if not request.suffix:
         return llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     fim = llm.tokenizer.fim_ids
@@ -77,13 +77,20 @@ def _completion_prompt(llm: LLM, request: CompletionRequest) -> list[int]:
     return [*bos, fim.prefix, *before, fim.suffix, *llm.tokenizer.encode(request.suffix, add_bos=False), fim.middle]
 
 
-def prepare_completion(llm: LLM, request: CompletionRequest) -> Prepared:
+def prepare_completions(llm: LLM, request: CompletionRequest) -> list[Prepared]:
+    """One `Prepared` per prompt of the request, their choices numbered on from the previous ones'."""
+    batch = [prepare_completion(llm, request, prompt) for prompt in request.prompts()]
+    for k, prepared in enumerate(batch):
+        prepared.first_index = k * (prepared.keep or len(prepared.sequences))
+    return batch
+
+
+def prepare_completion(llm: LLM, request: CompletionRequest, prompt: str | list[int]) -> Prepared:
     max_tokens = COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
-    ids = _completion_prompt(llm, request)
+    ids = _completion_prompt(llm, request, prompt)
     ranked = request.choices > (request.n or 1)  # best_of: every sequence's logprobs rank it
     logprobs = request.logprobs if request.logprobs is not None or not ranked else 0
     sequences = _sequences(llm, request, ids, max_tokens, logprobs)  # checks the ids first
-    prompt = request.single_prompt()
     echo = Echo(prompt if isinstance(prompt, str) else llm.detokenize(prompt, special=True), ids, request.logprobs) \
         if request.echo else None
     return Prepared(sequences, logprobs=request.logprobs is not None, echo=echo, keep=request.n or 1 if ranked else None)

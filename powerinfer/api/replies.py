@@ -26,6 +26,25 @@ def usage(completions: list[Completion]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
+def joined(replies: list[OpenAIReply]) -> list[OpenAIReply]:
+    """A batch's replies, answering as one: one id and creation time."""
+    for reply in replies[1:]:
+        reply.id, reply.created = replies[0].id, replies[0].created
+    return replies
+
+
+def merged(answers: list[dict]) -> dict:
+    """A batch's whole answers as one: every choice, the usage added up."""
+    usages = [a["usage"] for a in answers]
+    return {**answers[0], "choices": [c for a in answers for c in a["choices"]],
+            "usage": {key: sum(u[key] for u in usages) for key in usages[0]}}
+
+
+def merged_usage_chunk(replies: list[OpenAIReply]) -> dict:
+    chunks = [r.usage_chunk() for r in replies]
+    return {**chunks[0], "usage": {key: sum(c["usage"][key] for c in chunks) for key in chunks[0]["usage"]}}
+
+
 def best(completions: list[Completion], keep: int) -> list[Completion]:
     """best_of: the `keep` completions of highest log probability per token, as OpenAI ranks them
     (their order among themselves kept)."""
@@ -47,7 +66,7 @@ class OpenAIReply:
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
         self.model, self.tokenizer, self.chat = model, tokenizer, chat
         self.logprobs, self.tools = prepared.logprobs, prepared.tools
-        self.echo, self.keep = prepared.echo, prepared.keep
+        self.echo, self.keep, self.first_index = prepared.echo, prepared.keep, prepared.first_index
         self.echoed: set[int] = set()  # choices whose stream already carried the prompt
         self.n = len(prepared.sequences)
         self.created = int(time.time())
@@ -65,7 +84,8 @@ class OpenAIReply:
     def _whole_choice(self, index: int, completion: Completion) -> dict:
         if not self.chat:
             text, logprobs = self._echoed(index, completion.text, completion.logprobs or [])
-            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+            return {"index": self.first_index + index, "text": text, "logprobs": logprobs,
+                    "finish_reason": completion.finish_reason}
         logprobs = self._logprobs(index, completion.logprobs or []) if self.logprobs else None
         message: dict[str, Any] = {"role": "assistant", "content": completion.text}
         finish = completion.finish_reason
@@ -120,8 +140,8 @@ class OpenAIReply:
 
     def _chunk(self, index: int, content: dict | str, logprobs: dict | None, finish: str | None) -> dict:
         field = "delta" if self.chat else "text"
-        return self._envelope(self.chunk_object, [{"index": index, field: content, "logprobs": logprobs,
-                                                   "finish_reason": finish}])
+        return self._envelope(self.chunk_object, [{"index": self.first_index + index, field: content,
+                                                   "logprobs": logprobs, "finish_reason": finish}])
 
     def _envelope(self, object: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices}

@@ -44,6 +44,7 @@ TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 LogitBias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(ge=-100.0, le=100.0)]]
 MAX_CHOICES = 16
+MAX_BATCH = 64  # prompts in one /v1/completions request
 MAX_GUIDE_LENGTH = 65536  # characters of a guided regex, choice or grammar
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's
 
@@ -213,10 +214,11 @@ class OpenAIRequest(Sampling):
 
 
 class CompletionRequest(OpenAIRequest):
-    """POST /v1/completions. A prompt is text or token ids (a batch of one is accepted too)."""
+    """POST /v1/completions. A prompt is text or token ids, or a batch of either (each prompt gets
+    its n choices, numbered prompt by prompt as OpenAI numbers them)."""
 
-    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[
-        list[TokenIds], Field(min_length=1, max_length=1)]
+    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH)] | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=MAX_BATCH)]
     logprobs: TopLogprobs | None = None
     echo: bool | None = False  # the prompt first, with its logprobs when asked (powerinfer/api/echo.py)
     suffix: str | None = None  # fill in the middle, between the prompt and this
@@ -235,9 +237,10 @@ class CompletionRequest(OpenAIRequest):
         """Sequences to generate: best_of of them when given."""
         return self.best_of or self.n or 1
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: a list of texts or of token lists, else the one prompt."""
         batch = isinstance(self.prompt, list) and bool(self.prompt) and isinstance(self.prompt[0], str | list)
-        return self.prompt[0] if batch else self.prompt
+        return list(self.prompt) if batch else [self.prompt]
 
 
 class TextPart(Body):

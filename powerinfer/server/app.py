@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from powerinfer.api import schemas
-from powerinfer.api.prepare import Prepared, prepare_chat, prepare_completion
-from powerinfer.api.replies import OpenAIReply, embedding_list
+from powerinfer.api.prepare import Prepared, prepare_chat, prepare_completions
+from powerinfer.api.replies import OpenAIReply, embedding_list, joined, merged
 from powerinfer.errors import PowerInferError
 from powerinfer.llm import LLM
 from powerinfer.runtime.scheduler import Scheduler
@@ -212,30 +212,41 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
             raise APIError(400, f"token id {bad[0]} is out of range (vocabulary of {llm.config.n_vocab})", param="tokens")
         return {"content": llm.detokenize(body.tokens, special=True)}
 
-    async def openai_answer(body: schemas.OpenAIRequest, prepare: Callable[[LLM, Any], Prepared],
+    async def openai_answer(body: schemas.OpenAIRequest, prepare: Callable[[LLM, Any], list[Prepared]],
                             request: Request, chat: bool) -> Response:
         state.check_model(body.model)
         llm, scheduler = state.ready()
         if body.choices > scheduler.n_slots:
             raise APIError(400, f"n={body.choices} is more than the server's {scheduler.n_slots} slots (--parallel)",
                            param="n")
-        prepared = await run_in_threadpool(prepare, llm, body)
-        if prepared.echo is not None:  # the prompt's logprobs: on the scheduler's thread, which drives the model
-            await asyncio.wrap_future(scheduler.call(lambda _: prepared.echo.score(llm)))
-        generation = state.generation(scheduler, prepared.sequences)
-        reply = OpenAIReply(state.model_id, llm.tokenizer, prepared, chat)
+        batch = await run_in_threadpool(prepare, llm, body)  # one per prompt
+        for prepared in batch:
+            if prepared.echo is not None:  # the prompt's logprobs: on the scheduler's thread, which drives the model
+                await asyncio.wrap_future(scheduler.call(lambda _, echo=prepared.echo: echo.score(llm)))
+        replies = joined([OpenAIReply(state.model_id, llm.tokenizer, prepared, chat) for prepared in batch])
+        # Generations start only when consumed: one that never runs never joins the live set.
+        starts = [lambda prepared=prepared: state.generation(scheduler, prepared.sequences) for prepared in batch]
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return streaming(openai_stream(reply, generation, include_usage))
-        return JSONResponse(reply.whole(await generation.result(request)))
+            return streaming(openai_stream(replies, starts, include_usage))
+
+        async def whole(reply: OpenAIReply, start: Callable[[], Generation]) -> dict:
+            return reply.whole(await start().result(request))
+
+        tasks = [asyncio.ensure_future(whole(reply, start)) for reply, start in zip(replies, starts)]
+        try:
+            return JSONResponse(merged(await asyncio.gather(*tasks)))
+        finally:  # one failed: the others stop too
+            for task in tasks:
+                task.cancel()
 
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
-        return await openai_answer(body, prepare_completion, request, chat=False)
+        return await openai_answer(body, prepare_completions, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatRequest, request: Request) -> Response:
-        return await openai_answer(body, prepare_chat, request, chat=True)
+        return await openai_answer(body, lambda llm, chat: [prepare_chat(llm, chat)], request, chat=True)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: schemas.EmbeddingRequest) -> dict:
