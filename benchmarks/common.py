@@ -20,8 +20,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
-LLAMA_CPP_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
-                        "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON")
+# llama.cpp is built for one instruction set at a time, GGML_NATIVE and AMX off (a native build
+# segfaults on the AMX Xeons; an AVX-512 build dies of SIGILL on an AVX2-only CPU), each into a
+# folder of its own that `ensure_llama_cpp` puts on sys.path.
+_GGML_OFF = ("AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AMX_TILE", "AMX_INT8", "AMX_BF16")
+_GGML_ON = {"avx2": ("AVX", "AVX2", "FMA", "F16C", "BMI2"),
+            "avx512": ("AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX512", "AVX512_VNNI", "AVX512_BF16")}
+LLAMA_CPP_CMAKE_ARGS = {isa: " ".join(["-DGGML_NATIVE=OFF", *(f"-DGGML_{f}=ON" for f in on),
+                                       *(f"-DGGML_{f}=OFF" for f in _GGML_OFF if f not in on)])
+                        for isa, on in _GGML_ON.items()}
+LLAMA_CPP_BUILDS = Path.home() / ".cache" / "powerinfer" / "bench"
+# the instruction sets powerinfer's kernels and these builds share (powerinfer/ops/csrc/common.h)
+ISAS = ("avx512", "avx2")
+_AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")
+
+
 # WikiText-2 (CC BY-SA 3.0): valid.txt for calibration, test.txt for perplexity only.
 WIKITEXT = Path(os.environ.get("POWERINFER_WIKITEXT", ROOT.parent / "shared" / "data" / "wikitext-2"))
 
@@ -97,15 +110,43 @@ def memory_bandwidth(seconds: float = 1.0) -> float:
     return data.nbytes / statistics.median(times) / 1e9
 
 
-def ensure_llama_cpp() -> None:
-    """Install llama-cpp-python (built from source, AMX off) unless it is already there."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        print(f"installing {LLAMA_CPP_PYTHON} (compiles llama.cpp: several minutes) ...", file=sys.stderr)
-        env = {**os.environ, "CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS}
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-binary", "llama-cpp-python",
-                        LLAMA_CPP_PYTHON], check=True, env=env)
+def cpu_isa() -> str:
+    """The best of ISAS this CPU runs, read from /proc/cpuinfo (no powerinfer import: llama.cpp's
+    benchmark workers stay free of it); as powerinfer's own detection (csrc/isa.cpp) decides."""
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if flags >= set(_AVX512_FLAGS):
+        return "avx512"
+    if flags >= {"avx2", "fma", "f16c"}:
+        return "avx2"
+    sys.exit("llama.cpp comparisons need a CPU with at least AVX2, FMA and F16C")
+
+
+def ensure_llama_cpp(isa: str | None = None) -> str:
+    """Make `import llama_cpp` load llama-cpp-python built for `isa` (default: the CPU's best),
+    compiling it into a folder of its own first if it is not there (several minutes). Returns the
+    instruction set."""
+    isa = isa or cpu_isa()
+    target = LLAMA_CPP_BUILDS / f"llama-cpp-python-{isa}"
+    if not (target / "llama_cpp").is_dir():
+        print(f"installing {LLAMA_CPP_PYTHON} for {isa} into {target} (compiles llama.cpp: several minutes) ...", file=sys.stderr)
+        env = {**os.environ, "CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS[isa]}
+        # its other requirements (numpy, jinja2, typing-extensions) are powerinfer's too: not copied
+        # into the folder, where they would shadow the environment's own
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-binary", "llama-cpp-python", "--no-deps",
+                        "--target", str(target), LLAMA_CPP_PYTHON, "diskcache>=5.6.1"], check=True, env=env)
+    if str(target) not in sys.path:
+        sys.path.insert(0, str(target))
+    return isa
+
+
+def llama_cpp_isa(llama_cpp) -> str:
+    """The instruction set the loaded llama.cpp build runs, from its own system info."""
+    info = llama_cpp.llama_print_system_info().decode()
+    return "avx512" if "AVX512 = 1" in info else "avx2" if "AVX2 = 1" in info else "scalar"
 
 
 # ---------------------------------------------------------------- perplexity (llama.cpp's method)

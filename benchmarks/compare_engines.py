@@ -6,9 +6,14 @@ RSS is its own); the controller interleaves their repetitions so machine noise h
     .venv/bin/python benchmarks/compare_engines.py            # installs llama-cpp-python if missing
     .venv/bin/python benchmarks/compare_engines.py --engines powerinfer llama.cpp
     .venv/bin/python benchmarks/compare_engines.py --model gemma3-270m --engines powerinfer llama.cpp
+    .venv/bin/python benchmarks/compare_engines.py --isa avx2   # like with like on an AVX-512 machine
+
+`--isa` (default: the CPU's best) forces powerinfer's kernels to that instruction set
+(POWERINFER_ISA) and loads llama.cpp built for it alone (`common.ensure_llama_cpp`); each row
+says which instruction set its engine ran, as the engine itself reports it.
 
 Writes benchmarks/results/dense_engines.md (linked from the README) for the default model, else
-benchmarks/results/dense_engines_<model file stem>.md.
+benchmarks/results/dense_engines_<model file stem>.md; runs on AVX2 add `_avx2` to the name.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -23,11 +29,15 @@ import time
 from pathlib import Path
 
 from common import (
+    ISAS,
+    LLAMA_CPP_CMAKE_ARGS,
     LLAMA_CPP_PYTHON,
     MODEL_NAMES,
     ROOT,
     benchmark_model,
+    cpu_isa,
     ensure_llama_cpp,
+    llama_cpp_isa,
     machine_description,
     peak_rss,
     wikitext,
@@ -41,10 +51,12 @@ RESULTS = ROOT / "benchmarks" / "results"
 class PowerInferWorker:
     sparsity = "off"
 
-    def __init__(self, model: str, threads: int, n_ctx: int):
+    def __init__(self, model: str, threads: int, n_ctx: int, isa: str):
         from powerinfer import LLM
+        from powerinfer.ops import native
 
         self.llm = LLM(model, threads=threads, n_ctx=n_ctx, sparsity=self.sparsity)
+        self.isa = native.load().isa()  # POWERINFER_ISA, set by the controller, lowers the CPU's best
 
     def prefill(self, ids: list[int]) -> None:
         self.llm.engine.release(0)
@@ -66,10 +78,12 @@ class PowerInferSparseWorker(PowerInferWorker):
 class LlamaCppWorker:
     """llama.cpp through its C API (llama_decode), without llama-cpp-python's per-token Python work."""
 
-    def __init__(self, model: str, threads: int, n_ctx: int):
+    def __init__(self, model: str, threads: int, n_ctx: int, isa: str):
+        ensure_llama_cpp(isa)
         import llama_cpp
 
         self.lib = llama_cpp
+        self.isa = llama_cpp_isa(llama_cpp)
         self.llm = llama_cpp.Llama(model, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=512, verbose=False)
         self.ctx = self.llm.ctx
 
@@ -95,12 +109,13 @@ class LlamaCppWorker:
 class TransformersWorker:
     """transformers loading the same GGUF (it dequantizes to float32), with its KV cache."""
 
-    def __init__(self, model: str, threads: int, n_ctx: int):
+    def __init__(self, model: str, threads: int, n_ctx: int, isa: str):
         import torch
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(threads)
         self.torch = torch
+        self.isa = torch.backends.cpu.get_cpu_capability().lower()
         path = Path(model)
         self.model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
@@ -121,10 +136,10 @@ WORKERS = {"powerinfer": PowerInferWorker, "powerinfer-sparse": PowerInferSparse
            "transformers": TransformersWorker}
 
 
-def worker_main(engine: str, model: str, threads: int, n_ctx: int) -> None:
+def worker_main(engine: str, model: str, threads: int, n_ctx: int, isa: str) -> None:
     """Load the engine, then answer timing requests read as JSON lines on stdin."""
-    worker = WORKERS[engine](model, threads, n_ctx)
-    print(json.dumps({"ready": True}), flush=True)
+    worker = WORKERS[engine](model, threads, n_ctx, isa)
+    print(json.dumps({"ready": True, "isa": worker.isa}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         started = time.perf_counter()
@@ -139,12 +154,13 @@ def worker_main(engine: str, model: str, threads: int, n_ctx: int) -> None:
 # ---------------------------------------------------------------- controller
 
 class Engine:
-    def __init__(self, name: str, model: str, threads: int, n_ctx: int):
+    def __init__(self, name: str, model: str, threads: int, n_ctx: int, isa: str):
         self.name = name
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "--worker", name, "--model", model, "--threads", str(threads), "--n-ctx", str(n_ctx)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._read()
+            [sys.executable, __file__, "--worker", name, "--model", model, "--threads", str(threads), "--n-ctx", str(n_ctx),
+             "--isa", isa],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "POWERINFER_ISA": isa})
+        self.isa = self._read()["isa"]
         self.times: dict[str, list[float]] = {"pp": [], "tg": []}
         self.peak_rss = 0
 
@@ -177,19 +193,22 @@ def main() -> None:
     parser.add_argument("--sparse-model", help="PowerInfer GGUF with predictors for the powerinfer-sparse engine")
     parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--n-ctx", type=int, default=1024, help=argparse.SUPPRESS)
+    parser.add_argument("--isa", choices=ISAS, help="instruction set of every engine (default: this CPU's best)")
     parser.add_argument("--out", type=Path, help="results file (default: by model, under benchmarks/results)")
     args = parser.parse_args()
     named = args.model
     args.model = str(benchmark_model(args.model))
+    isa = args.isa or cpu_isa()
     if args.worker:
-        worker_main(args.worker, args.model, args.threads, args.n_ctx)
+        worker_main(args.worker, args.model, args.threads, args.n_ctx, isa)
         return
     if "llama.cpp" in args.engines:
-        ensure_llama_cpp()
+        ensure_llama_cpp(isa)
 
     if "powerinfer-sparse" in args.engines and not args.sparse_model:
         parser.error("the powerinfer-sparse engine needs --sparse-model")
-    default_out = RESULTS / ("dense_engines.md" if named in (None, "smollm2") else f"dense_engines_{Path(args.model).stem}.md")
+    stem = "dense_engines" if named in (None, "smollm2") else f"dense_engines_{Path(args.model).stem}"
+    default_out = RESULTS / f"{stem}{'' if isa == 'avx512' else '_' + isa}.md"
     out = args.out or default_out
     from powerinfer import LLM
 
@@ -197,7 +216,7 @@ def main() -> None:
     text = wikitext("test.txt")[:200000]
     ids = LLM(args.model, n_ctx=64).tokenize(text, add_bos=False)[: args.n_prompt + args.n_gen]
     n_ctx = args.n_prompt + args.n_gen + 8
-    engines = [Engine(name, args.sparse_model if name == "powerinfer-sparse" else args.model, args.threads, n_ctx)
+    engines = [Engine(name, args.sparse_model if name == "powerinfer-sparse" else args.model, args.threads, n_ctx, isa)
                for name in args.engines]
     requests = [{"test": "pp", "ids": ids[: args.n_prompt]}, {"test": "tg", "tokens": ids[args.n_prompt :]}]
     for engine in engines:  # warm-up, not recorded
@@ -217,12 +236,12 @@ def main() -> None:
         return statistics.median(n / s for s in engine.times[test])
 
     reference = next((e for e in engines if e.name == "llama.cpp"), None)
-    rows = [f"| engine | decode tg{args.n_gen} (tok/s) | prefill pp{args.n_prompt} (tok/s) | decode vs llama.cpp | prefill vs llama.cpp | peak RSS (MiB) |",
-            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    rows = [f"| engine | ISA | decode tg{args.n_gen} (tok/s) | prefill pp{args.n_prompt} (tok/s) | decode vs llama.cpp | prefill vs llama.cpp | peak RSS (MiB) |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for engine in engines:
         tg, pp = rate(engine, "tg"), rate(engine, "pp")
         vs = (f"{tg / rate(reference, 'tg'):.2f}x", f"{pp / rate(reference, 'pp'):.2f}x") if reference else ("", "")
-        rows.append(f"| {engine.name} | {tg:.1f} | {pp:.1f} | {vs[0]} | {vs[1]} | {engine.peak_rss / 2**20:.0f} |")
+        rows.append(f"| {engine.name} | {engine.isa} | {tg:.1f} | {pp:.1f} | {vs[0]} | {vs[1]} | {engine.peak_rss / 2**20:.0f} |")
     table = "\n".join(rows)
     print(table)
 
@@ -234,12 +253,13 @@ def main() -> None:
         "(after one warm-up each). Decode: tg = single-token steps from an empty cache over wikitext-2 test tokens;",
         "prefill: one batch of wikitext-2 test tokens from an empty cache. powerinfer-sparse: the PowerInfer GGUF",
         f"`{Path(args.sparse_model).name if args.sparse_model else '-'}` (predictors) with `sparsity=\"auto\"`. llama.cpp runs through llama-cpp-python's C API",
-        f"({LLAMA_CPP_PYTHON}, built from source here); transformers loads the same GGUF dequantized to float32.",
+        f"({LLAMA_CPP_PYTHON}, built from source here for {isa} alone: `{LLAMA_CPP_CMAKE_ARGS[isa]}`); transformers loads",
+        "the same GGUF dequantized to float32. ISA: the instruction set each engine reported running.",
         "",
         table,
         "",
         f"Command: `.venv/bin/python benchmarks/compare_engines.py{f' --model {named}' if named else ''} "
-        f"--threads {args.threads} --reps {args.reps} "
+        f"--threads {args.threads} --reps {args.reps}{f' --isa {args.isa}' if args.isa else ''} "
         f"--engines {' '.join(args.engines)}{' --sparse-model FILE' if args.sparse_model else ''}"
         f"{'' if out == default_out else f' --out {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}'}`",
         "",

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from powerinfer.ops import native
+from powerinfer.ops import neuron as N
 from powerinfer.ops.linear import QuantLinear, pack_quant, quant_kernel
 from powerinfer.ops.quant import BLOCK_TYPES
 
@@ -25,11 +26,40 @@ def dequantized(tensor) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(tensor.data, tensor.ggml_type).astype(np.float64))
 
 
+# where q lies in the blocks of the types with a minimum (GGML's block layouts): zeroed, a block
+# dequantizes to its minimum part dmin * mn
+Q_BYTES = {T.Q4_1: (4, 20), T.Q5_1: (4, 24), T.Q2_K: (16, 80), T.Q4_K: (16, 144), T.Q5_K: (16, 176)}
+
+
+def minimum_parts(tensor) -> torch.Tensor:
+    """dmin * mn of each weight (zero for types without a minimum), float64 like `dequantized`."""
+    if tensor.ggml_type not in Q_BYTES:
+        return torch.zeros(tensor.shape, dtype=torch.float64)
+    start, end = Q_BYTES[tensor.ggml_type]
+    raw = tensor.data.copy()
+    size = GGML_QUANT_SIZES[tensor.ggml_type][1]
+    raw.reshape(raw.shape[0], -1, size)[..., start:end] = 0
+    return torch.from_numpy(quants.dequantize(raw, tensor.ggml_type).astype(np.float64))
+
+
 def rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """What float32 sums may be off by: the kernels add x (128 + q) d sc per weight, so per weight
     up to ~256 times its sub-block's largest |w| (groups of 16 inputs), and then take the sums away."""
     group_max = w.abs().view(w.shape[0], -1, 16).amax(-1).repeat_interleave(16, dim=1)
     return 2 * w.shape[1] * 2.0**-24 * (x.double().abs() @ (256 * group_max).T) + 1e-30
+
+
+def expected_product(isa: str, x: torch.Tensor, tensor) -> torch.Tensor:
+    """What the kernel of `isa` computes, in float64: x rounded to bfloat16 times the weights
+    (AVX-512, scalar), or (AVX2) x rounded to int8 per 32 times the weights less their minimum
+    parts, which multiply exact sums of x (quant_matmul.h)."""
+    w = dequantized(tensor)
+    if isa != "avx2":
+        return x.to(torch.bfloat16).double() @ w.T
+    q, scale, _ = N.quantize_activations(x)
+    rounded = (q * scale[..., None]).view(x.shape).double()
+    minimum = minimum_parts(tensor)
+    return rounded @ (w - minimum).T + x.double() @ minimum.T
 
 
 def test_native_block_types_are_ours():
@@ -46,14 +76,12 @@ def test_every_type_on_every_instruction_set_equals_dequantized_matmul(ggml_type
     layer = pack_quant([tensor])
     assert isinstance(layer, QuantLinear) and (layer.out_features, layer.in_features) == (rows, cols)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(seed))
-    w = dequantized(tensor)
-    expected = x.to(torch.bfloat16).double() @ w.T  # the kernels round x to bfloat16
-    bound = rounding_bound(x, w)
+    bound = rounding_bound(x, dequantized(tensor))
     for isa in native.instruction_sets():
         with native.instruction_set(isa):
             got = layer(x)
         assert got.dtype == torch.float32 and got.shape == (tokens, rows)
-        assert torch.all((got.double() - expected).abs() <= bound), isa
+        assert torch.all((got.double() - expected_product(isa, x, tensor)).abs() <= bound), isa
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K, T.Q3_K])
@@ -72,8 +100,9 @@ def test_types_mixed_in_one_projection_as_q4_k_m_files_have(isa):
                quantized_rows(T.Q4_0, 9, 256, seed=5)]
     layer = pack_quant(tensors)
     x = torch.randn(3, 256)
+    expected = torch.cat([expected_product(isa, x, t) for t in tensors], dim=1)
     w = torch.cat([dequantized(t) for t in tensors])
-    assert torch.all((layer(x).double() - x.to(torch.bfloat16).double() @ w.T).abs() <= rounding_bound(x, w))
+    assert torch.all((layer(x).double() - expected).abs() <= rounding_bound(x, w))
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)

@@ -31,6 +31,8 @@ enum class GgmlType : int64_t { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7,
 constexpr int64_t QK = 32;     // weights per block of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0; x is rounded to int8 per 32
 constexpr int64_t QK_K = 256;  // weights per K-quant super-block
 constexpr int64_t QK_SUB = 16; // the smallest K-quant sub-block (Q2_K, Q3_K, Q6_K; Q4_K and Q5_K use 32)
+// x rounded to int8 per block of QK: scale = max |x| / INT8_X_MAX, values nearbyint(x / scale)
+constexpr float INT8_X_MAX = 127.0f;
 
 // Instruction sets, lowest first. AVX512 means F, BW, VL, DQ, VNNI and BF16 together (Cooper Lake,
 // Sapphire Rapids, Zen 4 and later); AVX2 means AVX2, FMA and F16C (Haswell, Zen 1 and later).

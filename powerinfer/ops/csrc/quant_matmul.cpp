@@ -67,27 +67,38 @@ torch::Tensor quant_repack(const torch::Tensor& raw, int64_t type) {
 }
 
 PreparedInput prepare_input(const float* x, int64_t M, int64_t K, Isa isa) {
-  const bool pairs = isa == Isa::AVX512;
   const int64_t G = std::min(M, TASK_ROWS), groups = (M + G - 1) / G;
-  PreparedInput p{M, K, G, std::vector<uint32_t>(pairs ? groups * G * K / 2 : 0), std::vector<float>(pairs ? 0 : M * K),
-                  std::vector<float>(M * K / QK_SUB), std::vector<float>(M * K / QK)};
+  PreparedInput p{M, K, G};
+  p.sum16.resize(M * K / QK_SUB);
+  p.sum32.resize(M * K / QK);
+  if (isa == Isa::AVX512) {
+    p.pairs.resize(groups * G * K / 2);
+  } else if (isa == Isa::AVX2) {
+    p.q8.resize(M * K);
+    p.scale.resize(M * K / QK);
+    p.qsum16.resize(M * K / QK_SUB);
+    p.qsum32.resize(M * K / QK);
+  } else {
+    p.f32.resize(M * K);
+  }
   // Groups of rows in parallel: at prefill (hundreds of rows) a serial pass would cost a good part
   // of what the products do.
   at::parallel_for(0, groups, std::max<int64_t>(1, 16384 / (G * K)), [&](int64_t begin, int64_t end) {
     const int64_t m0 = begin * G, m1 = std::min(M, end * G);
-    if (pairs) {
+    switch (isa) {
 #ifdef POWERINFER_X86
-      avx512::prepare_rows(x, m0, m1, p);
+      case Isa::AVX512: avx512::prepare_rows(x, m0, m1, p); break;
+      case Isa::AVX2: avx2::prepare_rows(x, m0, m1, p); break;
 #endif
-    } else {
-      for (int64_t g = m0 * K / QK_SUB; g < m1 * K / QK_SUB; ++g) {
-        float sum = 0.0f;
-        for (int64_t i = g * QK_SUB; i < (g + 1) * QK_SUB; ++i) {
-          p.f32[i] = bf16_value(bf16_bits(x[i]));
-          sum += p.f32[i];
+      default:
+        for (int64_t g = m0 * K / QK_SUB; g < m1 * K / QK_SUB; ++g) {
+          float sum = 0.0f;
+          for (int64_t i = g * QK_SUB; i < (g + 1) * QK_SUB; ++i) {
+            p.f32[i] = bf16_value(bf16_bits(x[i]));
+            sum += p.f32[i];
+          }
+          p.sum16[g] = sum;
         }
-        p.sum16[g] = sum;
-      }
     }
     for (int64_t g = m0 * K / QK; g < m1 * K / QK; ++g) p.sum32[g] = p.sum16[2 * g] + p.sum16[2 * g + 1];
   });

@@ -1,13 +1,16 @@
 // y = x @ W.T over quantized weights kept in their blocks, repacked for SIMD (QuantLinear).
 //
-// Arithmetic. x is rounded to bfloat16. A weight's integer q (at most 7 bits) becomes the
-// bfloat16 number 128 + q, whose bits are just 0x4300 | q; one `vdpbf16ps` (AVX-512 BF16) then
-// multiplies 32 activation-weight pairs exactly and adds them in float32, and per sub-block
+// Arithmetic. AVX-512 and scalar: x is rounded to bfloat16. A weight's integer q (at most 7 bits)
+// becomes the bfloat16 number 128 + q, whose bits are just 0x4300 | q; one `vdpbf16ps` (AVX-512
+// BF16) then multiplies 32 activation-weight pairs exactly and adds them in float32, and per sub-block
 //     sum_k x_k w_k = d sc * sum_k x_k (128 + q_k) + (dmin mn - (128 + offset) d sc) * sum_k x_k
 // (the float32 sum of the sub-block's bfloat16 inputs is computed once per row). Q8_0's int8 values
-// are exact in bfloat16 themselves. The AVX2 path computes the same sums with float32 FMAs, the
-// scalar path directly. Each row's result depends on that row only, so a row gets the same bits
-// whatever rows share the call.
+// are exact in bfloat16 themselves. The scalar path computes the same sums directly.
+// AVX2 (no bfloat16 dot product): x is rounded to int8 per block of 32 (INT8_X_MAX), as llama.cpp
+// does, and per sub-block
+//     sum_k x_k w_k = d sc dx * (sum_k xq_k q_k - offset sum_k xq_k) + dmin mn * sum_k x_k
+// with integer sums (quant_matmul_avx2.cpp) and the exact float32 sum of x for the minimum.
+// Each row's result depends on that row only, so a row gets the same bits whatever rows share the call.
 //
 // Layout: the weight rows are grouped in blocks of COLS = 16 outputs (zero rows pad the last);
 // per output block and per block of the format (32 or 256 inputs) one chunk of bytes, which holds
@@ -65,16 +68,21 @@ struct PackedMatrix {
   int64_t rows, column;
 };
 
-// x prepared for the kernels: the float32 sum of every 16 and every 32 of each row's inputs
-// rounded to bfloat16, and the rounded inputs. For the AVX-512 kernel they are bfloat16 pairs
-// (inputs 2k, 2k + 1 in one uint32, the even one low) with the rows of each group of G =
-// min(M, TASK_ROWS) interleaved, pairs[((m / G) * K / 2 + k) * G + m % G]: the rows a kernel call
-// broadcasts for one pair are adjacent, reached from one pointer (eight row pointers spilled
-// registers in its inner loop); for the others float32 rows.
+// x prepared for the kernels of one instruction set.
+// AVX-512 and scalar: the float32 sum of every 16 and every 32 of each row's inputs rounded to
+// bfloat16, and the rounded inputs. For the AVX-512 kernel they are bfloat16 pairs (inputs 2k,
+// 2k + 1 in one uint32, the even one low) with the rows of each group of G = min(M, TASK_ROWS)
+// interleaved, pairs[((m / G) * K / 2 + k) * G + m % G]: the rows a kernel call broadcasts for one
+// pair are adjacent, reached from one pointer (eight row pointers spilled registers in its inner
+// loop); for the scalar one float32 rows.
+// AVX2: per row the int8 values q8, per 32 inputs their scale, per 16 and 32 the sums of the int8
+// values (qsum, as floats) and the exact float32 sums of x.
 struct PreparedInput {
   int64_t M, K, G;
   std::vector<uint32_t> pairs;
   std::vector<float> f32, sum16, sum32;
+  std::vector<int8_t> q8;
+  std::vector<float> scale, qsum16, qsum32;
 };
 
 PreparedInput prepare_input(const float* x, int64_t M, int64_t K, Isa isa);
@@ -84,7 +92,10 @@ using OutputBlockKernel = void (*)(const PackedMatrix& w, int64_t nb, const Prep
                                    float* out, int64_t ldc, int cols);
 
 namespace scalar { void quant_output_block(const PackedMatrix&, int64_t, const PreparedInput&, int64_t, int, float*, int64_t, int); }
-namespace avx2 { void quant_output_block(const PackedMatrix&, int64_t, const PreparedInput&, int64_t, int, float*, int64_t, int); }
+namespace avx2 {
+void quant_output_block(const PackedMatrix&, int64_t, const PreparedInput&, int64_t, int, float*, int64_t, int);
+void prepare_rows(const float* x, int64_t m_begin, int64_t m_end, PreparedInput& p);  // q8, scales and sums of these rows
+}
 namespace avx512 {
 void quant_output_block(const PackedMatrix&, int64_t, const PreparedInput&, int64_t, int, float*, int64_t, int);
 void prepare_rows(const float* x, int64_t m_begin, int64_t m_end, PreparedInput& p);  // pairs and sum16 of these rows

@@ -1,5 +1,13 @@
-// QuantLinear's AVX2 kernel (arithmetic and layout: quant_matmul.h): the weights unpacked as in
-// the AVX-512 kernel, then float32 FMAs with the bfloat16-rounded inputs, 8 outputs per vector.
+// QuantLinear's AVX2 kernel (layout: quant_matmul.h). x comes rounded to int8 per block of 32
+// (prepare_input); the weights' unsigned q stay bytes, and `vpmaddubsw` multiplies 32 weight-input
+// pairs and adds them in pairs per instruction. The int16 sums are widened to int32 before they can
+// overflow, the sub-block's offset is taken away in integers, and each sub-block's int32 sums meet
+// their float scales once. Q8_0 (signed weights) multiplies int16 pairs with `vpmaddwd` instead.
+//
+// What a step reads: 4 consecutive inputs 4s .. 4s + 3 of a chunk's 16 outputs. Its weights become
+// two vectors (outputs 0-7, 8-15) whose 16-bit lane o holds q of inputs 4s, 4s + 1 of that output in
+// the low 128 bits and of inputs 4s + 2, 4s + 3 in the high; x's bytes are spread to match. The two
+// halves of a vector add up to an output's sum when the sums are widened.
 #include "quant_matmul.h"
 
 #ifdef POWERINFER_X86
@@ -13,47 +21,81 @@ namespace {
 // (measured from memory, one thread: Q5_K 6.5 -> 13.9 GB/s, Q6_K 6.0 -> 12.5 with this; 16 in cache).
 constexpr int64_t PREFETCH_CHUNKS = 2;  // how far ahead
 
-constexpr int HALVES = 2;  // 16 outputs: two vectors of 8
+// Rows of x sharing one unpacking of the weights: each keeps two int16 sums in registers, and AVX2
+// has 16 of them.
+constexpr int ROW_GROUP = 4;
 
-// Float32 weights of input pair p of a chunk: w[h][i] holds input 2p + i of outputs 8h .. 8h + 7,
-// as 128 + q (Q8_0: q itself).
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Pairs of weights per int16 lane a sum can hold: |q x| <= q_max * 127 per weight.
+constexpr int int16_steps(int q_bits) { return 32767 / (2 * ((1 << q_bits) - 1) * 127); }
+
+// Bytes of low bits -> (A, B): outputs 0-7 and 8-15, each 16-bit lane one output's two inputs.
+// `v` holds, per 128-bit lane, 16 bytes whose bits [0, BITS) and [BITS, 2 BITS) are the two inputs.
+template <int BITS>
+inline void split_pairs(__m256i v, __m256i& a, __m256i& b) {
+  const __m256i mask = _mm256_set1_epi8((1 << BITS) - 1);
+  const __m256i first = _mm256_and_si256(v, mask), second = _mm256_and_si256(_mm256_srli_epi16(v, BITS), mask);
+  a = _mm256_unpacklo_epi8(first, second);
+  b = _mm256_unpackhi_epi8(first, second);
+}
+
+// Adds `value` to the bytes of (a, b) whose bit is set in two masks of input pairs 2s, 2s + 1 (bit
+// 2o + i of a pair's mask: input i of output o), which `masks` holds in both 128-bit lanes: pair 2s's
+// at byte `first`, pair 2s + 1's at byte `second`. Each mask byte is spread over 8 byte lanes.
+template <int FIRST, int SECOND>
+inline void add_high_bit(__m256i masks, int value, __m256i& a, __m256i& b) {
+  constexpr int64_t spread = 0x0101010101010101;
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i add = _mm256_set1_epi8(static_cast<char>(value));
+  // A: outputs 0-7, mask bytes 0, 1 of each pair; B: outputs 8-15, bytes 2, 3
+  const __m256i spread_a = _mm256_setr_epi64x(FIRST * spread, (FIRST + 1) * spread, SECOND * spread, (SECOND + 1) * spread);
+  const __m256i spread_b = _mm256_add_epi8(spread_a, _mm256_set1_epi8(2));
+  const __m256i set_a = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(masks, spread_a), bit), bit);
+  const __m256i set_b = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(masks, spread_b), bit), bit);
+  a = _mm256_or_si256(a, _mm256_and_si256(set_a, add));
+  b = _mm256_or_si256(b, _mm256_and_si256(set_b, add));
+}
+
+// Step s's weights of a chunk (the unsigned q, offset not taken away).
 template <int64_t TYPE>
-inline void pair_weights(const uint8_t* chunk, int64_t p, __m256 w[HALVES][2]) {
+inline void step_weights(const uint8_t* chunk, int64_t s, __m256i& a, __m256i& b) {
   constexpr PackedLayout L = packed_layout(*find_format(TYPE));
-  for (int h = 0; h < HALVES; ++h) {
-    if constexpr (L.low_bits == 8) {
-      // 16-bit lanes (output, input): low half of each 32-bit lane input 2p, high half 2p + 1
-      const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + L.low + p * 2 * COLS + 16 * h)));
-      w[h][0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
-      w[h][1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
-    } else {
-      __m256i q;
-      if constexpr (L.low_bits == 4) {
-        const __m256i t = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk + L.low + p * COLS + 8 * h)));
-        q = _mm256_and_si256(_mm256_or_si256(t, _mm256_slli_epi32(t, 12)), _mm256_set1_epi32(0x000F000F));
-      } else {
-        const __m256i t = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk + L.low + (p / 2) * COLS + 8 * h)));
-        __m256i u = _mm256_or_si256(t, _mm256_slli_epi32(t, 14));
-        if (p % 2) u = _mm256_srli_epi32(u, 4);
-        q = _mm256_and_si256(u, _mm256_set1_epi32(0x00030003));
-      }
-      // high bits: bit 16h + lane of the pair's mask, for each 16-bit lane
-      const __m256i lane_bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                                                 static_cast<int16_t>(-32768));
-      for (int b = 0; b < L.high_bits; ++b) {
-        uint32_t mask;
-        std::memcpy(&mask, chunk + L.high + (p * L.high_bits + b) * 4, 4);
-        const __m256i bits = _mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(mask >> (16 * h))), lane_bit);
-        const __m256i set = _mm256_cmpeq_epi16(bits, lane_bit);
-        q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi16(static_cast<int16_t>(1 << (L.low_bits + b)))));
-      }
-      q = _mm256_or_si256(q, _mm256_set1_epi16(0x4300));  // bfloat16 bits of 128 + q
-      w[h][0] = _mm256_castsi256_ps(_mm256_slli_epi32(q, 16));
-      w[h][1] = _mm256_castsi256_ps(_mm256_and_si256(q, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-    }
+  if constexpr (L.low_bits == 4) {
+    split_pairs<4>(load32(chunk + L.low + s * 2 * COLS), a, b);  // pairs 2s, 2s + 1: 16 bytes each
+  } else {
+    // one byte per output holds the 4 inputs: the high lane takes them shifted down by 4 bits
+    const __m128i quad = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + L.low + s * COLS));
+    split_pairs<2>(_mm256_set_m128i(_mm_srli_epi16(quad, 4), quad), a, b);
+  }
+  // pair p's masks: at L.high + (p * high_bits + h) * 4, so pairs 2s and 2s + 1 are adjacent
+  const uint8_t* masks = chunk + L.high + 2 * s * L.high_bits * 4;
+  if constexpr (L.high_bits == 1) {
+    int64_t eight;
+    std::memcpy(&eight, masks, 8);
+    add_high_bit<0, 4>(_mm256_set1_epi64x(eight), 1 << L.low_bits, a, b);
+  } else if constexpr (L.high_bits == 2) {  // bit h of pair 2s at byte 4h, of pair 2s + 1 at 8 + 4h
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(masks)));
+    add_high_bit<0, 8>(both, 1 << L.low_bits, a, b);
+    add_high_bit<4, 12>(both, 2 << L.low_bits, a, b);
   }
 }
 
+// x's int8 inputs 4s .. 4s + 3 as step_weights arranges the weights: (x0, x1) repeated over the low
+// 128 bits, (x2, x3) over the high.
+inline __m256i step_inputs(const int8_t* x) {
+  int32_t four;
+  std::memcpy(&four, x, 4);
+  const __m256i spread = _mm256_setr_epi64x(0x0100010001000100, 0x0100010001000100, 0x0302030203020302, 0x0302030203020302);
+  return _mm256_shuffle_epi8(_mm256_set1_epi32(four), spread);
+}
+
+// int16 lanes (both 128-bit halves the same 8 outputs) -> their int32 sums per output
+inline __m256i widen(__m256i v) {
+  return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)), _mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
+}
+
+inline __m256 half_vector(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 template <bool SIGNED, int NIBBLE = -1>
 inline __m256 byte_vector(const uint8_t* p) {
@@ -63,88 +105,180 @@ inline __m256 byte_vector(const uint8_t* p) {
   return _mm256_cvtepi32_ps(v);
 }
 
-inline __m256 half_vector(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
-// Rows r < ROWS of x (row stride K) against a sub-block's unpacked weights w[p][half][input].
-template <int ROWS>
-inline void sub_block_dots(const __m256 (*w)[HALVES][2], int64_t pairs, const float* x, int64_t K, __m256 dot[][HALVES]) {
-  for (int r = 0; r < ROWS; ++r)
-    for (int h = 0; h < HALVES; ++h) dot[r][h] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p)
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 x0 = _mm256_broadcast_ss(x + r * K + 2 * p), x1 = _mm256_broadcast_ss(x + r * K + 2 * p + 1);
-      for (int h = 0; h < HALVES; ++h) dot[r][h] = _mm256_fmadd_ps(w[p][h][1], x1, _mm256_fmadd_ps(w[p][h][0], x0, dot[r][h]));
-    }
-}
-
-// Output block of up to TASK_ROWS rows: each sub-block's weights are unpacked once into a buffer (L1)
-// that the rows then read two at a time (AVX2 has too few registers to keep 8 rows' sums).
+// Per output of half h of sub-block j: d sc, and the minimum dmin mn (zero without one).
 template <int64_t TYPE>
-void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, int rows, float* out, int64_t ldc, int cols) {
+inline void sub_block_scales(const uint8_t* chunk, int64_t j, int h, __m256& dsc, __m256& min) {
   constexpr BlockFormat F = *find_format(TYPE);
   constexpr PackedLayout L = packed_layout(F);
-  constexpr bool BIASED = L.low_bits != 8;
-  constexpr float SUM_FACTOR = -((BIASED ? 128.0f : 0.0f) + (BIASED ? F.offset : 0));
-  constexpr int64_t PAIRS = F.sub / 2;
-  const int64_t K = x.K, n_blocks = K / F.n, n_sub = F.n_sub();
-  const float* xs = x.f32.data() + m0 * K;
-  const float* sums = (F.sub == QK_SUB ? x.sum16 : x.sum32).data() + m0 * (K / F.sub);
-  __m256 acc[TASK_ROWS][HALVES];
-  for (int r = 0; r < rows; ++r)
-    for (int h = 0; h < HALVES; ++h) acc[r][h] = _mm256_setzero_ps();
-  __m256 w[PAIRS][HALVES][2];
+  const __m256 d = half_vector(chunk + L.d + 16 * h);
+  min = F.has_min ? half_vector(chunk + L.dmin + 16 * h) : _mm256_setzero_ps();
+  dsc = d;
+  if constexpr (F.sub_scales) {
+    const uint8_t* sc = chunk + L.sc + j * COLS + 8 * h;
+    if constexpr (L.nibble_scales) {
+      dsc = _mm256_mul_ps(d, byte_vector<false, 0>(sc));
+      min = _mm256_mul_ps(min, byte_vector<false, 1>(sc));
+    } else {
+      dsc = _mm256_mul_ps(d, byte_vector<true>(sc));
+      if constexpr (F.has_min) min = _mm256_mul_ps(min, byte_vector<false>(chunk + L.mn + j * COLS + 8 * h));
+    }
+  }
+}
+
+// Up to ROW_GROUP rows of one output block, formats with unsigned q (all but Q8_0).
+template <int64_t TYPE, int ROWS>
+void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, float* out, int64_t ldc, int cols) {
+  constexpr BlockFormat F = *find_format(TYPE);
+  constexpr PackedLayout L = packed_layout(F);
+  constexpr int64_t STEPS = F.sub / 4;  // steps per sub-block
+  constexpr int64_t FLUSH = int16_steps(F.q_bits) < STEPS ? int16_steps(F.q_bits) : STEPS;
+  static_assert(STEPS % FLUSH == 0, "a sub-block is a whole number of int16 runs");
+  const int64_t K = x.K, n_blocks = K / F.n, n_sub = F.n_sub(), per_sub = K / F.sub;
+  const int8_t* xq = x.q8.data() + m0 * K;
+  const float* qsums = (F.sub == QK_SUB ? x.qsum16 : x.qsum32).data() + m0 * per_sub;
+  const float* sums = (F.sub == QK_SUB ? x.sum16 : x.sum32).data() + m0 * per_sub;
+  const float* scales = x.scale.data() + m0 * (K / QK);
+  __m256 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < n_blocks; ++b) {
     const uint8_t* chunk = chunks + b * L.bytes;
     if (m0 < TASK_ROWS) prefetch(chunk + PREFETCH_CHUNKS * L.bytes, L.bytes);  // later row blocks find the weights in cache
     for (int64_t j = 0; j < n_sub; ++j) {
-      for (int64_t p = 0; p < PAIRS; ++p) pair_weights<TYPE>(chunk, j * PAIRS + p, w[p]);
-      const int64_t s = b * n_sub + j, k = b * F.n + j * F.sub;
-      __m256 dsc[HALVES], coefficient[HALVES];
-      for (int h = 0; h < HALVES; ++h) {
-        const __m256 d = half_vector(chunk + L.d + 16 * h);
-        __m256 min = F.has_min ? half_vector(chunk + L.dmin + 16 * h) : _mm256_setzero_ps();
-        dsc[h] = d;
-        if constexpr (F.sub_scales) {
-          const uint8_t* sc = chunk + L.sc + j * COLS + 8 * h;
-          if constexpr (L.nibble_scales) {
-            dsc[h] = _mm256_mul_ps(d, byte_vector<false, 0>(sc));
-            min = _mm256_mul_ps(min, byte_vector<false, 1>(sc));
-          } else {
-            dsc[h] = _mm256_mul_ps(d, byte_vector<true>(sc));
-            if constexpr (F.has_min) min = _mm256_mul_ps(min, byte_vector<false>(chunk + L.mn + j * COLS + 8 * h));
+      const int64_t k = b * F.n + j * F.sub, s = b * n_sub + j;
+      __m256i dot[ROWS][2];
+      for (int64_t run = 0; run < STEPS; run += FLUSH) {
+        __m256i part[ROWS][2];
+        for (int r = 0; r < ROWS; ++r) part[r][0] = part[r][1] = _mm256_setzero_si256();
+        for (int64_t step = run; step < run + FLUSH; ++step) {
+          __m256i a, bb;
+          step_weights<TYPE>(chunk, j * STEPS + step, a, bb);
+          for (int r = 0; r < ROWS; ++r) {
+            const __m256i xs = step_inputs(xq + r * K + k + 4 * step);
+            part[r][0] = _mm256_add_epi16(part[r][0], _mm256_maddubs_epi16(a, xs));
+            part[r][1] = _mm256_add_epi16(part[r][1], _mm256_maddubs_epi16(bb, xs));
           }
         }
-        coefficient[h] = _mm256_fmadd_ps(dsc[h], _mm256_set1_ps(SUM_FACTOR), min);
+        for (int r = 0; r < ROWS; ++r)
+          for (int h = 0; h < 2; ++h) dot[r][h] = run == 0 ? widen(part[r][h]) : _mm256_add_epi32(dot[r][h], widen(part[r][h]));
       }
-      for (int r = 0; r < rows; r += 2) {
-        __m256 dot[2][HALVES];
-        const int n = rows - r >= 2 ? 2 : 1;
-        if (n == 2) sub_block_dots<2>(w, PAIRS, xs + r * K + k, K, dot);
-        else sub_block_dots<1>(w, PAIRS, xs + r * K + k, K, dot);
-        for (int i = 0; i < n; ++i)
-          for (int h = 0; h < HALVES; ++h) {
-            acc[r + i][h] = _mm256_fmadd_ps(dot[i][h], dsc[h], acc[r + i][h]);
-            if constexpr (F.has_min || SUM_FACTOR != 0.0f)
-              acc[r + i][h] = _mm256_fmadd_ps(_mm256_set1_ps(sums[(r + i) * (K / F.sub) + s]), coefficient[h], acc[r + i][h]);
-          }
+      for (int h = 0; h < 2; ++h) {
+        __m256 dsc, min;
+        sub_block_scales<TYPE>(chunk, j, h, dsc, min);
+        for (int r = 0; r < ROWS; ++r) {
+          // d sc dx (q . xq - offset sum xq) + dmin mn sum x
+          __m256 dot_f = _mm256_cvtepi32_ps(dot[r][h]);
+          if constexpr (F.offset != 0) dot_f = _mm256_sub_ps(dot_f, _mm256_set1_ps(F.offset * qsums[r * per_sub + s]));
+          acc[r][h] = _mm256_fmadd_ps(dot_f, _mm256_mul_ps(dsc, _mm256_set1_ps(scales[r * (K / QK) + k / QK])), acc[r][h]);
+          if constexpr (F.has_min) acc[r][h] = _mm256_fmadd_ps(min, _mm256_set1_ps(sums[r * per_sub + s]), acc[r][h]);
+        }
       }
     }
   }
-  for (int r = 0; r < rows; ++r) {
+  for (int r = 0; r < ROWS; ++r) {
     alignas(32) float row[COLS];
-    for (int h = 0; h < HALVES; ++h) _mm256_store_ps(row + 8 * h, acc[r][h]);
+    _mm256_store_ps(row, acc[r][0]);
+    _mm256_store_ps(row + 8, acc[r][1]);
     std::memcpy(out + r * ldc, row, cols * sizeof(float));
   }
 }
 
+// Q8_0: per input pair, 16 outputs' two int8 weights widened to int16 and multiplied by x's pair.
+template <int ROWS>
+void output_block_q8(const uint8_t* chunks, const PreparedInput& x, int64_t m0, float* out, int64_t ldc, int cols) {
+  constexpr PackedLayout L = packed_layout(*find_format(static_cast<int64_t>(GgmlType::Q8_0)));
+  const int64_t K = x.K, n_blocks = K / QK;
+  const int8_t* xq = x.q8.data() + m0 * K;
+  const float* scales = x.scale.data() + m0 * n_blocks;
+  __m256 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const uint8_t* chunk = chunks + b * L.bytes;
+    if (m0 < TASK_ROWS) prefetch(chunk + PREFETCH_CHUNKS * L.bytes, L.bytes);
+    __m256i dot[ROWS][2];
+    for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int64_t p = 0; p < QK / 2; ++p) {
+      const uint8_t* pair = chunk + L.low + p * 2 * COLS;  // [16 outputs][2 inputs] int8
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + COLS)));
+      for (int r = 0; r < ROWS; ++r) {
+        int16_t two;
+        std::memcpy(&two, xq + r * K + b * QK + 2 * p, 2);
+        const __m256i xs = _mm256_cvtepi8_epi16(_mm_set1_epi16(two));
+        dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(w0, xs));
+        dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(w1, xs));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = half_vector(chunk + L.d + 16 * h);
+      for (int r = 0; r < ROWS; ++r)
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(scales[r * n_blocks + b])), acc[r][h]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    alignas(32) float row[COLS];
+    _mm256_store_ps(row, acc[r][0]);
+    _mm256_store_ps(row + 8, acc[r][1]);
+    std::memcpy(out + r * ldc, row, cols * sizeof(float));
+  }
+}
+
+template <int64_t TYPE, int ROWS>
+void output_block_any(const uint8_t* chunks, const PreparedInput& x, int64_t m0, float* out, int64_t ldc, int cols) {
+  if constexpr (TYPE == static_cast<int64_t>(GgmlType::Q8_0)) output_block_q8<ROWS>(chunks, x, m0, out, ldc, cols);
+  else output_block<TYPE, ROWS>(chunks, x, m0, out, ldc, cols);
+}
+
+template <int64_t TYPE>
+void output_block_rows(const uint8_t* chunks, const PreparedInput& x, int64_t m0, int rows, float* out, int64_t ldc, int cols) {
+  // Rows in groups of ROW_GROUP, 2, 1: every row's arithmetic is the same in each.
+  for (int r = 0; r < rows;) {
+    const int left = rows - r;
+    if (left >= ROW_GROUP) output_block_any<TYPE, ROW_GROUP>(chunks, x, m0 + r, out + r * ldc, ldc, cols), r += ROW_GROUP;
+    else if (left >= 2) output_block_any<TYPE, 2>(chunks, x, m0 + r, out + r * ldc, ldc, cols), r += 2;
+    else output_block_any<TYPE, 1>(chunks, x, m0 + r, out + r * ldc, ldc, cols), r += 1;
+  }
+}
+
 }  // namespace
+
+void prepare_rows(const float* x, int64_t m_begin, int64_t m_end, PreparedInput& p) {
+  const int64_t K = p.K;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t g = m_begin * K / QK; g < m_end * K / QK; ++g) {
+    const float* xb = x + g * QK;
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const float scale = _mm_cvtss_f32(m4) / INT8_X_MAX, inverse = scale > 0 ? 1.0f / scale : 0.0f;
+    p.scale[g] = scale;
+    __m256i q[4];  // rounded to nearest even, as nearbyint under the default rounding mode
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inverse)));
+    // int32 -> int8 in input order (packs interleave the 128-bit lanes; the permute puts them back)
+    const __m256i words = _mm256_packs_epi32(q[0], q[1]), words2 = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.q8.data() + g * QK), bytes);
+    for (int half = 0; half < 2; ++half) {
+      int32_t qsum = 0;
+      float sum = 0.0f;
+      for (int k = 16 * half; k < 16 * half + 16; ++k) qsum += p.q8[g * QK + k], sum += xb[k];
+      p.qsum16[2 * g + half] = static_cast<float>(qsum);
+      p.sum16[2 * g + half] = sum;
+    }
+    p.qsum32[g] = p.qsum16[2 * g] + p.qsum16[2 * g + 1];
+  }
+}
 
 void quant_output_block(const PackedMatrix& w, int64_t nb, const PreparedInput& x, int64_t m0, int rows, float* out,
                         int64_t ldc, int cols) {
   const uint8_t* chunks = w.chunks + nb * (x.K / w.format->n) * w.layout.bytes;
   switch (w.format->type) {
 #define POWERINFER_CASE(T) \
-  case GgmlType::T: return output_block<static_cast<int64_t>(GgmlType::T)>(chunks, x, m0, rows, out, ldc, cols);
+  case GgmlType::T: return output_block_rows<static_cast<int64_t>(GgmlType::T)>(chunks, x, m0, rows, out, ldc, cols);
     POWERINFER_CASE(Q4_0) POWERINFER_CASE(Q4_1) POWERINFER_CASE(Q5_0) POWERINFER_CASE(Q5_1) POWERINFER_CASE(Q8_0)
     POWERINFER_CASE(Q2_K) POWERINFER_CASE(Q3_K) POWERINFER_CASE(Q4_K) POWERINFER_CASE(Q5_K) POWERINFER_CASE(Q6_K)
 #undef POWERINFER_CASE
