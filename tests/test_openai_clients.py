@@ -132,3 +132,60 @@ def test_a_batch_of_prompts(client, model_id, default_llm):  # noqa: F811
     assert streamed == expected
     local = default_llm(prompts, max_tokens=3, temperature=0)
     assert [c["text"] for c in local["choices"]] == expected
+
+
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather now in a city",
+                "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                               "properties": {"city": {"type": "string", "maxLength": 40}}}}
+
+
+def test_responses_api_text_and_stream(client, model_id, default_llm):  # noqa: F811
+    """OpenAI's Responses API through the official client's responses.create."""
+    expected = default_llm.chat([{"role": "system", "content": "Answer briefly."},
+                                 {"role": "user", "content": "Name a colour."}], max_tokens=8, temperature=0)
+    response = client.responses.create(model=model_id, instructions="Answer briefly.", input="Name a colour.",
+                                       max_output_tokens=8, temperature=0)
+    assert response.object == "response" and response.output_text == expected
+    assert response.status in ("completed", "incomplete") and response.usage.output_tokens <= 8
+    events = list(client.responses.create(model=model_id, instructions="Answer briefly.", input="Name a colour.",
+                                          max_output_tokens=8, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected
+    assert events[-1].response.output_text == expected
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_api_tools_and_json_schema(client, model_id):  # noqa: F811
+    called = client.responses.create(model=model_id, input="What is the weather in Paris?", tools=[WEATHER_TOOL],
+                                     tool_choice="required", temperature=0, max_output_tokens=60)
+    call = called.output[0]
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER_TOOL["parameters"])
+    # the call's result goes back as an input item, and the model answers in text
+    follow = client.responses.create(model=model_id, tools=[WEATHER_TOOL], temperature=0, max_output_tokens=20, input=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}], tool_choice="none")
+    assert follow.output[0].type == "message" and follow.output_text
+    streamed = list(client.responses.create(model=model_id, input="What is the weather in Paris?", tools=[WEATHER_TOOL],
+                                            tool_choice="required", temperature=0, max_output_tokens=60, stream=True))
+    done = [e.item for e in streamed if e.type == "response.output_item.done"]
+    assert done[0].type == "function_call" and done[0].arguments == call.arguments
+    formatted = client.responses.create(model=model_id, input="Describe Paris as JSON.", temperature=0,
+                                        max_output_tokens=100, text={"format": {"type": "json_schema", "name": "city",
+                                                                                "schema": CITY, "strict": True}})
+    jsonschema.validate(json.loads(formatted.output_text), CITY)
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "store": True}, "store"),
+    ({"input": "x", "n": 2}, "one output"),
+    ({"input": []}, "input"),
+    ({"input": "x", "text": {"format": {"type": "json_object"}}, "response_format": {"type": "json_object"}},
+     "give one"),
+])
+def test_responses_api_refuses_what_it_does_not_do(server, body, fragment):  # noqa: F811
+    assert fragment in assert_error(httpx.post(f"{server.url}/v1/responses", json=body, timeout=60), 400)["message"]

@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from powerinfer.api import schemas
 from powerinfer.api.prepare import Prepared, prepare_chat, prepare_completions
 from powerinfer.api.replies import OpenAIReply, embedding_list, joined, merged
+from powerinfer.api.responses import ResponseShape, ResponsesRequest
 from powerinfer.errors import PowerInferError
 from powerinfer.llm import LLM
 from powerinfer.runtime.scheduler import Scheduler
@@ -34,7 +35,7 @@ from powerinfer.server.generation import ClientGone, Generation
 from powerinfer.server.metrics import Metrics
 from powerinfer.server.model_names import ModelNames
 from powerinfer.server.replica import REPLICA_LABEL, ReplicaHeader, label_series
-from powerinfer.server.replies import llama_final, llama_stream, openai_stream
+from powerinfer.server.replies import llama_final, llama_stream, openai_stream, responses_stream
 from powerinfer.server.request_log import RequestLog, note_generation
 
 log = logging.getLogger(__name__)
@@ -247,6 +248,18 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatRequest, request: Request) -> Response:
         return await openai_answer(body, lambda llm, chat: [prepare_chat(llm, chat)], request, chat=True)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        chat = body.chat_request()
+        state.check_model(chat.model)
+        llm, scheduler = state.ready()
+        prepared = await run_in_threadpool(prepare_chat, llm, chat)
+        reply, shape = OpenAIReply(state.model_id, llm.tokenizer, prepared, chat=True), ResponseShape(body, state.model_id)
+        start = lambda: state.generation(scheduler, prepared.sequences)  # noqa: E731
+        if chat.stream:
+            return streaming(responses_stream(shape, reply, start))
+        return JSONResponse(shape.whole(reply.whole(await start().result(request))))
 
     @app.post("/v1/embeddings")
     async def embeddings(body: schemas.EmbeddingRequest) -> dict:

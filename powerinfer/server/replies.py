@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 
 from powerinfer.api.replies import OpenAIReply, merged_usage_chunk
+from powerinfer.api.responses import ResponseShape
 from powerinfer.runtime.sequence import Completion, GenerationSequence
 from powerinfer.server.generation import Generation, sse, sse_error
 
@@ -60,3 +61,18 @@ async def openai_stream(replies: list[OpenAIReply], starts: list[Callable[[], Ge
     if include_usage:
         yield sse(merged_usage_chunk(replies))
     yield sse("[DONE]")
+
+
+async def responses_stream(shape: ResponseShape, reply: OpenAIReply, start: Callable[[], Generation]) -> AsyncIterator[str]:
+    """A Responses API answer as its events (an error event if generation fails)."""
+    for event in shape.start():
+        yield sse(event)
+    async for event in start().events():
+        if event.error is not None:
+            yield sse_error(event.error)
+            return
+        for chunk in reply.chunks(event):
+            for out in shape.events(chunk):
+                yield sse(out)
+    for out in shape.finish(reply.usage_chunk()["usage"]):
+        yield sse(out)
