@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 from powerinfer.commands.llama_flags import add_model_flags, add_server_flags, note_flags_without_effect
 from powerinfer.errors import PowerInferError
+from powerinfer.options import CACHE_TYPE_NAMES, DTYPES, SPARSITY_MODES
 
 # Several letters behind one dash, as llama.cpp spells -ngl, -cnv, -sys, -hf. argparse would read an
 # unknown one as a short flag with its value glued on (-ngl 99 as -n gl), so they are refused
@@ -137,13 +138,13 @@ def add_model_options(parser: argparse.ArgumentParser, ctx: bool = True, sparsit
         parser.add_argument("-c", "--ctx-size", type=positive_int, help="context size in tokens (default: min(4096, training context))")
     parser.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", type=non_negative_int, metavar="N",
                         help="layers to offload to the GPU, as in llama.cpp (without a CUDA device: everything runs on the CPU)")
-    parser.add_argument("--dtype", choices=["auto", "float32"], default="auto",
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="auto: compact weights on fast kernels; float32: dequantize everything (exact, slow)")
-    parser.add_argument("-ctk", "--cache-type", choices=["f16", "f32"],
+    parser.add_argument("-ctk", "--cache-type", choices=CACHE_TYPE_NAMES,
                         help="KV cache type in CPU memory (default: f16, as llama.cpp; f32 with --dtype float32)")
     add_model_flags(parser)
     if sparsity:
-        parser.add_argument("--sparsity", choices=["auto", "off", "oracle"], default="auto",
+        parser.add_argument("--sparsity", choices=SPARSITY_MODES, default="auto",
                             help="auto: compute only the FFN neurons the file's predictors expect to fire (dense without "
                                  "predictors); off: dense; oracle: skip exactly the neurons that do not fire (verification)")
         add_hybrid_options(parser)

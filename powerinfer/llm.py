@@ -6,7 +6,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,11 +17,12 @@ from powerinfer.gguf.file_type import file_type_label
 from powerinfer.gguf.reader import GGUFFile, open_gguf
 from powerinfer.hub import resolve_model
 from powerinfer.models import load_model, read_config
-from powerinfer.models.ffn import FFNOptions, SparsityMode
+from powerinfer.models.ffn import FFNOptions
 from powerinfer.models.predictor import has_predictors
+from powerinfer.options import DTYPES, SPARSITY_MODES, CacheType, DType, SparsityMode
 from powerinfer.runtime.constraint import Constraint
 from powerinfer.runtime.engine import Engine
-from powerinfer.runtime.kv_cache import CACHE_TYPES, CacheType
+from powerinfer.runtime.kv_cache import CACHE_TYPES
 from powerinfer.runtime.sampling import SamplingParams
 from powerinfer.runtime.sequence import Completion, GenerationSequence
 from powerinfer.tokenizer import Tokenizer
@@ -82,7 +83,7 @@ class LLM:
     def __init__(self, model: str | os.PathLike[str] | None = None, *, threads: int | None = None,
                  model_path: str | os.PathLike[str] | None = None, n_threads: int | None = None,
                  chat_format: str | None = None,
-                 n_ctx: int | None = None, n_batch: int = 512, dtype: Literal["auto", "float32"] = "auto",
+                 n_ctx: int | None = None, n_batch: int = 512, dtype: DType = "auto",
                  sparsity: SparsityMode = "auto", thresholds: Sequence[float] | None = None,
                  vram_budget: float | None = None, n_gpu_layers: int | None = None, gpu_index: GPUIndexMode = "reuse",
                  activations: str | os.PathLike[str] | None = None, accelerator: str | torch.device | None = None,
@@ -90,13 +91,13 @@ class LLM:
         model = _one_of("model", model, "model_path", model_path)  # llama-cpp-python's names too
         threads = _one_of("threads", threads, "n_threads", n_threads)
         chat_template = _one_of("chat_template", chat_template, "chat_format", chat_format)
-        if dtype not in ("auto", "float32"):
-            raise PowerInferError(f"unknown dtype {dtype!r} (expected 'auto' or 'float32')")
+        if dtype not in DTYPES:
+            raise PowerInferError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
         if cache_type is not None and cache_type not in CACHE_TYPES:
             raise PowerInferError(f"unknown cache type {cache_type!r} (expected one of {', '.join(CACHE_TYPES)})")
         self.cache_type = cache_type  # None: the engine's default for the model (f16; f32 in float32 mode)
-        if sparsity not in ("auto", "off", "oracle"):
-            raise PowerInferError(f"unknown sparsity {sparsity!r} (expected 'auto', 'off' or 'oracle')")
+        if sparsity not in SPARSITY_MODES:
+            raise PowerInferError(f"unknown sparsity {sparsity!r} (expected one of {', '.join(SPARSITY_MODES)})")
         if parallel < 1:
             raise PowerInferError("parallel must be >= 1")
         if threads is not None:

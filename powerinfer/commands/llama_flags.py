@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from powerinfer.errors import PowerInferError
+from powerinfer.options import CACHE_TYPE_NAMES
 
 # dest -> why the flag changes nothing here
 NO_EFFECT = {
@@ -29,7 +30,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-ub", "--ubatch-size", type=positive_int, metavar="N", help="accepted; no effect here")
     parser.add_argument("-fa", "--flash-attn", nargs="?", const="on", choices=["on", "off", "auto"],
                         help="accepted; no effect here (attention has one kernel)")
-    parser.add_argument("-ctv", "--cache-type-v", choices=["f16", "f32"],
+    parser.add_argument("-ctv", "--cache-type-v", choices=CACHE_TYPE_NAMES,
                         help="KV cache type; keys and values share one type here, so it must agree with -ctk")
     parser.add_argument("--no-mmap", action="store_true", help="accepted; no effect here")
     parser.add_argument("--mlock", action="store_true", help="accepted; no effect here")
