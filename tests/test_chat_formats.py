@@ -4,7 +4,6 @@ without one by architecture and tokens, and chosen by hand with --chat-template 
 from __future__ import annotations
 
 import pytest
-from gguf import GGUFValueType
 
 from powerinfer.chat_formats import BUILT_IN, built_in_name, chosen_template, detect
 from powerinfer.chat_template import ChatTemplate
@@ -135,7 +134,8 @@ def test_chat_prompt_has_one_bos(default_model):
 
 def test_serve_takes_a_chat_template(default_model):
     import httpx
-    from test_server import serve_command, serving_url
+
+    from helpers import serve_command, serving_url
 
     process = serve_command("-m", str(default_model), "--port", "0", "-c", "256", "--chat-template", "phi3", "--jinja")
     try:

@@ -12,8 +12,7 @@ from powerinfer.commands.llama_flags import NO_EFFECT, note_flags_without_effect
 from powerinfer.server.app import create_app
 from powerinfer.server.model_names import ModelNames
 
-from helpers import assert_one_line_error, powerinfer
-from test_server import ServerThread, assert_error
+from helpers import ServerThread, assert_error, assert_one_line_error, powerinfer
 
 parse = build_parser().parse_args
 

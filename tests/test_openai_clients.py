@@ -10,14 +10,14 @@ import httpx
 import jsonschema
 import pytest
 
-from test_server import assert_error, client, model_id, server  # noqa: F401 - the module's fixtures
+from helpers import assert_error
 
 CITY = {"type": "object", "additionalProperties": False, "required": ["name", "population"],
         "properties": {"name": {"type": "string", "maxLength": 20}, "population": {"type": "integer", "minimum": 0, "maximum": 99999999}}}
 
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_vllm_guided_fields_constrain_the_answer(client, model_id, chat):  # noqa: F811
+def test_vllm_guided_fields_constrain_the_answer(client, model_id, chat):
     def answer(max_tokens: int = 40, **guide) -> str:
         if chat:
             reply = client.chat.completions.create(model=model_id, max_tokens=max_tokens, temperature=0, extra_body=guide,
@@ -43,7 +43,7 @@ def test_vllm_guided_fields_constrain_the_answer(client, model_id, chat):  # noq
     ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, "use one or the other"),
     ({"guided_whitespace_pattern": r"\s*"}, "guided_whitespace_pattern"),
 ])
-def test_bad_guides_get_400(server, body, fragment):  # noqa: F811
+def test_bad_guides_get_400(server, body, fragment):
     response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, **body}, timeout=60)
     assert fragment in assert_error(response, 400)["message"]
 
@@ -53,7 +53,7 @@ def test_guided_fields_through_the_python_api(default_llm):
     assert text["choices"][0]["text"] in {"big", "small"}
 
 
-def test_echo_with_logprobs_scores_the_prompt_as_llm_logits(client, model_id, default_llm):  # noqa: F811
+def test_echo_with_logprobs_scores_the_prompt_as_llm_logits(client, model_id, default_llm):
     """lm-evaluation-harness's loglikelihood request: echo, logprobs, max_tokens 0."""
     import torch
 
@@ -78,7 +78,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_llm_logits(client, model_id, de
     assert local["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(choice.logprobs.token_logprobs)
 
 
-def test_suffix_needs_fill_in_the_middle_tokens(server, default_model, tmp_path):  # noqa: F811
+def test_suffix_needs_fill_in_the_middle_tokens(server, default_model, tmp_path):
     from gguf import GGUFValueType
 
     from powerinfer import LLM
@@ -99,7 +99,7 @@ def test_suffix_needs_fill_in_the_middle_tokens(server, default_model, tmp_path)
     assert answer["usage"]["prompt_tokens"] == len(ids)
 
 
-def test_best_of_answers_the_likeliest(client, model_id, default_llm):  # noqa: F811
+def test_best_of_answers_the_likeliest(client, model_id, default_llm):
     prompt = "Once upon a time"
     every = client.completions.create(model=model_id, prompt=prompt, n=3, max_tokens=5, temperature=1.0, seed=7,
                                       logprobs=0)
@@ -113,7 +113,7 @@ def test_best_of_answers_the_likeliest(client, model_id, default_llm):  # noqa: 
     assert "best_of (1) must be at least n (2)" in assert_error(error, 400)["message"]
 
 
-def test_a_batch_of_prompts(client, model_id, default_llm):  # noqa: F811
+def test_a_batch_of_prompts(client, model_id, default_llm):
     """prompt as a list of texts or of token lists: each prompt's n choices, numbered prompt by prompt."""
     prompts = ["The capital of France is", "Water is", "My favourite colour"]
     expected = [default_llm.generate(p, max_tokens=3, temperature=0) for p in prompts]
@@ -139,7 +139,7 @@ WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The w
                                "properties": {"city": {"type": "string", "maxLength": 40}}}}
 
 
-def test_responses_api_text_and_stream(client, model_id, default_llm):  # noqa: F811
+def test_responses_api_text_and_stream(client, model_id, default_llm):
     """OpenAI's Responses API through the official client's responses.create."""
     expected = default_llm.chat([{"role": "system", "content": "Answer briefly."},
                                  {"role": "user", "content": "Name a colour."}], max_tokens=8, temperature=0)
@@ -157,7 +157,7 @@ def test_responses_api_text_and_stream(client, model_id, default_llm):  # noqa: 
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
-def test_responses_api_tools_and_json_schema(client, model_id):  # noqa: F811
+def test_responses_api_tools_and_json_schema(client, model_id):
     called = client.responses.create(model=model_id, input="What is the weather in Paris?", tools=[WEATHER_TOOL],
                                      tool_choice="required", temperature=0, max_output_tokens=60)
     call = called.output[0]
@@ -187,5 +187,5 @@ def test_responses_api_tools_and_json_schema(client, model_id):  # noqa: F811
     ({"input": "x", "text": {"format": {"type": "json_object"}}, "response_format": {"type": "json_object"}},
      "give one"),
 ])
-def test_responses_api_refuses_what_it_does_not_do(server, body, fragment):  # noqa: F811
+def test_responses_api_refuses_what_it_does_not_do(server, body, fragment):
     assert fragment in assert_error(httpx.post(f"{server.url}/v1/responses", json=body, timeout=60), 400)["message"]

@@ -8,9 +8,9 @@ import logging
 import httpx
 import openai
 
-from test_server import ServerThread, serve_command, serving_url
-
 from powerinfer.server.app import create_app
+
+from helpers import ServerThread, serve_command, serving_url
 
 
 def test_each_request_gets_one_line_with_its_tokens(default_llm, caplog):

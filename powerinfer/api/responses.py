@@ -18,9 +18,9 @@ from powerinfer.api.schemas import (
     ChatRequest,
     Name,
     OpenAIRequest,
+    Temperature,
     TextPart,
     TopP,
-    Temperature,
     _unset,
     validation_message,
 )

@@ -33,7 +33,7 @@ from powerinfer.server.errors import APIError, install_handlers
 from powerinfer.server.gate import DEFAULT_MAX_BODY_SIZE, RequestGate
 from powerinfer.server.generation import ClientGone, Generation
 from powerinfer.server.metrics import Metrics
-from powerinfer.server.model_names import ModelNames
+from powerinfer.server.model_names import ANY_NAME, ModelNames
 from powerinfer.server.replica import REPLICA_LABEL, ReplicaHeader, label_series
 from powerinfer.server.replies import llama_final, llama_stream, openai_stream, responses_stream
 from powerinfer.server.request_log import RequestLog, note_generation
@@ -46,7 +46,7 @@ DEFAULT_WATCHDOG_SECONDS = 120.0  # a prefill of a long prompt on a large model 
 class ServerState:
     """The model and its scheduler once loaded, or why loading failed."""
 
-    def __init__(self, parallel: int, watchdog_seconds: float, names: ModelNames = ModelNames()):
+    def __init__(self, parallel: int, watchdog_seconds: float, names: ModelNames = ANY_NAME):
         self.parallel, self.watchdog_seconds, self.names = parallel, watchdog_seconds, names
         self.llm: LLM | None = None
         self.scheduler: Scheduler | None = None
@@ -113,7 +113,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
                allowed_hosts: Collection[str] | None = None, api_keys: Collection[str] = (),
                max_body_size: int = DEFAULT_MAX_BODY_SIZE,
                watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS, replica: str | None = None,
-               model_names: ModelNames = ModelNames()) -> FastAPI:
+               model_names: ModelNames = ANY_NAME) -> FastAPI:
     """The server app over `llm` (or a function that loads it), with `parallel` KV-cache slots.
 
     `allowed_hosts`: names the Host header may carry (None: any); `api_keys`: keys a request must

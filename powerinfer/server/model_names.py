@@ -27,3 +27,6 @@ class ModelNames:
     @classmethod
     def of(cls, aliases: Sequence[str] | None, strict: bool) -> ModelNames:
         return cls(tuple(dict.fromkeys(a for a in aliases or () if a)), strict)
+
+
+ANY_NAME = ModelNames()  # the default: the file's name, and requests naming any model answered
