@@ -229,11 +229,15 @@ class LLM:
         timings.prompt_seconds = time.perf_counter() - started
         if not sequence.finished:  # max_tokens=0 evaluates the prompt only
             yield sequence.accept(logits)
+        sparse = [block.ffn for block in self.model.blocks if hasattr(block.ffn, "last_active")]
         while not sequence.finished:
             started = time.perf_counter()
             logits = self.engine.decode([(slot, sequence.last_token)])[0]
             timings.decode_seconds += time.perf_counter() - started
             timings.decode_steps += 1
+            # each sparse FFN notes the neurons it computed for this token
+            timings.ffn_neurons_computed += sum(ffn.last_active for ffn in sparse)
+            timings.ffn_neurons += sum(ffn.n_ff for ffn in sparse)
             yield sequence.accept(logits)
 
     def complete(self, prompt: Prompt, max_tokens: int | None = 128, stop: Sequence[str] | str | None = None,

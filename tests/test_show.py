@@ -101,3 +101,17 @@ def test_run_prints_a_model_summary_at_load(default_model):
     assert summary[0].startswith(f"powerinfer: {field(reader, 'general.name')}: llama, {parameters:.2f} M parameters, "
                                  f"Q4_1, ")
     assert "context 256 (trained 8192), 1 threads, sparsity off" in summary[0]
+
+
+def test_run_reports_the_ffn_work_it_skipped(tiny_relu):
+    """A ReLU model under --sparsity oracle skips the neurons that are exactly zero; dense says nothing."""
+    import re
+
+    path = tiny_relu("q4_0")
+    result = powerinfer("run", "-m", str(path), "-p", "Once upon a time", "-n", "6", "--temp", "0",
+                        "--sparsity", "oracle")
+    assert result.returncode == 0, result.stderr
+    skipped = re.search(r"sparsity\s+=\s+([\d.]+)% of FFN neurons skipped per token", result.stderr)
+    assert skipped is not None and 0 < float(skipped[1]) < 100, result.stderr
+    dense = powerinfer("run", "-m", str(path), "-p", "Once upon a time", "-n", "6", "--temp", "0", "--sparsity", "off")
+    assert dense.returncode == 0 and "FFN neurons skipped" not in dense.stderr
