@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/accuracy.py        # needs llama-cpp-python (see compare_engines.py)
 
 On a 256-token wikitext-2 validation passage: max and mean |logit difference| and argmax agreement
-for powerinfer (fast kernels and dtype=float32) and llama.cpp, each against transformers; and
+for powerinfer (its quantized kernels on each instruction set this CPU runs, and dtype=float32)
+and llama.cpp (built for the CPU's best instruction set), each against transformers; and
 tokenizer agreement with llama.cpp over every line of valid.txt. Writes docs/accuracy.md.
 """
 
@@ -14,9 +15,10 @@ import datetime
 import numpy as np
 import torch
 
-from common import ROOT, ensure_llama_cpp, machine_description, wikitext
+from common import ROOT, ensure_llama_cpp, llama_cpp_isa, machine_description, wikitext
 
 OUT = ROOT / "docs" / "accuracy.md"
+ACTIVATIONS = {"avx512": "bfloat16", "avx2": "8-bit", "scalar": "bfloat16"}  # how each rounds x (quant_matmul.h)
 
 
 def compare(name: str, logits: np.ndarray, reference: np.ndarray) -> str:
@@ -32,6 +34,7 @@ def main() -> None:
 
     from powerinfer import LLM
     from powerinfer.hub import pull_default_model
+    from powerinfer.ops import native
 
     model = pull_default_model()
     text = wikitext("valid.txt")
@@ -45,11 +48,12 @@ def main() -> None:
     exact = LLM(model, n_ctx=512, dtype="float32")
     llama = llama_cpp.Llama(str(model), n_ctx=512, logits_all=True, n_threads=2, verbose=False)
     llama.eval(ids)
-    rows = [
-        compare("powerinfer (quantized kernels, bfloat16 activations)", fast.logits(ids), reference),
-        compare("powerinfer dtype=float32", exact.logits(ids), reference),
-        compare("llama.cpp (8-bit activations)", np.array(llama.scores[: len(ids)]), reference),
-    ]
+    rows = []
+    for isa in native.instruction_sets():
+        with native.instruction_set(isa):
+            rows.append(compare(f"powerinfer, {isa} kernels ({ACTIVATIONS[isa]} activations)", fast.logits(ids), reference))
+    rows += [compare("powerinfer dtype=float32", exact.logits(ids), reference),
+             compare(f"llama.cpp, {llama_cpp_isa(llama_cpp)} build (8-bit activations)", np.array(llama.scores[: len(ids)]), reference)]
 
     lines = text.splitlines()
     ours = fast.tokenizer.encode_batch(lines, add_bos=False)
@@ -69,11 +73,11 @@ def main() -> None:
         "| --- | ---: | ---: | ---: |",
         *rows,
         "",
-        "Our quantized kernel (`QuantLinear`) rounds activations to bfloat16 and keeps the file's float16",
-        "scales, float32 sums and outputs (torch's int4 kernel, used where the CPU lacks AVX-512 bfloat16",
-        "dot products, also rounds scales and outputs to bfloat16); llama.cpp quantizes activations to 8",
-        "bits for its Q4_1 dot products. `dtype=\"float32\"` dequantizes the weights and computes in",
-        "float32: it is what the tests compare token-for-token with transformers.",
+        "Our quantized kernel (`QuantLinear`) keeps the file's float16 scales, float32 sums and outputs;",
+        "on AVX-512 and in plain C++ it rounds activations to bfloat16, on AVX2 (no bfloat16 dot product)",
+        "to 8 bits per 32 inputs, as llama.cpp does for its Q4_1 dot products (quant_matmul.h).",
+        "`dtype=\"float32\"` dequantizes the weights and computes in float32: it is what the tests compare",
+        "token-for-token with transformers.",
         "",
         f"Tokenizer: identical to llama.cpp's on {same} of {len(lines)} lines of valid.txt. transformers'",
         "GGUF reader differs on 4 lines: it omits the digit split of the `smollm` pre-tokenizer, which",

@@ -1,7 +1,7 @@
 """QuantLinear's kernels per GGML block type and instruction set, on a 11008 x 4096 layer (a 7B
 llama FFN projection), against what runs without them.
 
-    .venv/bin/python benchmarks/quant_kernels.py [--threads 2] [--rows 1 8] [--out benchmarks/results/quant_kernels.md]
+    .venv/bin/python benchmarks/quant_kernels.py [--threads 2] [--rows 1 8] [--out FILE]
 
 Paths: ours on each instruction set this CPU has (forced as POWERINFER_ISA does); "no native":
 what `build_linear` makes without our module (torch's int4 kernel for Q4_0, Q4_1 and Q8_0, the
@@ -9,7 +9,8 @@ weights expanded to bfloat16 and torch's matmul for the rest). Weights are rando
 (`ops.quant.random_blocks`; the speed does not depend on the values), several layers rotate so
 that they come from memory, as in decoding. GB/s counts the file's bytes of the layer per call
 (what a token has to read), medians of repeated calls; the memory read bandwidth is measured in
-the same run.
+the same run: the roofline a 1-row kernel can reach. Results: benchmarks/results/quant_kernels.md
+on an AVX-512 CPU, quant_kernels_avx2.md on an AVX2-only one.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from common import machine_description, memory_bandwidth
 
 OUT_FEATURES, IN_FEATURES, LAYERS = 11008, 4096, 3
 CACHED = (1024, 2048)  # a layer that stays in cache: the kernels' arithmetic speed, not the memory's
-OUT = Path(__file__).parent / "results" / "quant_kernels.md"
+RESULTS = Path(__file__).parent / "results"
 
 
 def median_seconds(layers, x: torch.Tensor, min_seconds: float = 0.5) -> float:
@@ -51,7 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="rows of x per call (tokens sharing a step)")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", type=Path, help="results file (default: by the CPU's best instruction set)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if native.load() is None:
@@ -59,6 +60,7 @@ def main() -> None:
     machine, bandwidth = machine_description(), memory_bandwidth()
     rng = np.random.default_rng(0)
     isas = native.instruction_sets()
+    out = args.out or RESULTS / f"quant_kernels{'' if isas[0] == 'avx512' else '_' + isas[0]}.md"
     header = "| type | bytes/weight | " + " | ".join(f"{p}, {m} row{'s' * (m > 1)}" for m in args.rows for p in [*isas, "no native"])
     header += " | " + " | ".join(f"{p}, in cache" for p in isas) + " |"
     lines = [header, "|" + " --- |" * (2 + len(args.rows) * (len(isas) + 1) + len(isas))]
@@ -93,8 +95,8 @@ def main() -> None:
             "stays in cache (the arithmetic's speed, not the memory's: least disturbed by other processes). "
             "Higher is faster; at 1 row a kernel at the memory roofline reaches the measured bandwidth.\n\n" + "\n".join(lines) +
             f"\n\nCommand: `.venv/bin/python benchmarks/quant_kernels.py --threads {args.threads} --rows {' '.join(map(str, args.rows))}`\n")
-    args.out.write_text(note)
-    print(f"memory read bandwidth: {bandwidth:.1f} GB/s; wrote {args.out}")
+    out.write_text(note)
+    print(f"memory read bandwidth: {bandwidth:.1f} GB/s; wrote {out}")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,9 @@ def test_stop_string_ends_generation(default_llm):
 
 
 def test_chat_uses_template_and_stops_at_end_of_turn(default_llm, smollm2_reference):
-    messages = [{"role": "user", "content": "Which city is the capital of France?"}]
+    # a question whose first reply token leads by over a logit on every instruction set ("Which city
+    # is the capital of France?" leads by 0.08: AVX2's int8 activations answer it otherwise)
+    messages = [{"role": "user", "content": "What is the capital city of France? Answer in one word."}]
     expected_ids = smollm2_reference[0].apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     assert default_llm.chat_prompt(messages) == list(getattr(expected_ids, "input_ids", expected_ids))
     completion = default_llm.complete(default_llm.chat_prompt(messages), temperature=0, max_tokens=64)

@@ -26,22 +26,6 @@ def dequantized(tensor) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(tensor.data, tensor.ggml_type).astype(np.float64))
 
 
-# where q lies in the blocks of the types with a minimum (GGML's block layouts): zeroed, a block
-# dequantizes to its minimum part dmin * mn
-Q_BYTES = {T.Q4_1: (4, 20), T.Q5_1: (4, 24), T.Q2_K: (16, 80), T.Q4_K: (16, 144), T.Q5_K: (16, 176)}
-
-
-def minimum_parts(tensor) -> torch.Tensor:
-    """dmin * mn of each weight (zero for types without a minimum), float64 like `dequantized`."""
-    if tensor.ggml_type not in Q_BYTES:
-        return torch.zeros(tensor.shape, dtype=torch.float64)
-    start, end = Q_BYTES[tensor.ggml_type]
-    raw = tensor.data.copy()
-    size = GGML_QUANT_SIZES[tensor.ggml_type][1]
-    raw.reshape(raw.shape[0], -1, size)[..., start:end] = 0
-    return torch.from_numpy(quants.dequantize(raw, tensor.ggml_type).astype(np.float64))
-
-
 def rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """What float32 sums may be off by: the kernels add x (128 + q) d sc per weight, so per weight
     up to ~256 times its sub-block's largest |w| (groups of 16 inputs), and then take the sums away."""
@@ -50,16 +34,14 @@ def rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def expected_product(isa: str, x: torch.Tensor, tensor) -> torch.Tensor:
-    """What the kernel of `isa` computes, in float64: x rounded to bfloat16 times the weights
-    (AVX-512, scalar), or (AVX2) x rounded to int8 per 32 times the weights less their minimum
-    parts, which multiply exact sums of x (quant_matmul.h)."""
-    w = dequantized(tensor)
-    if isa != "avx2":
-        return x.to(torch.bfloat16).double() @ w.T
-    q, scale, _ = N.quantize_activations(x)
-    rounded = (q * scale[..., None]).view(x.shape).double()
-    minimum = minimum_parts(tensor)
-    return rounded @ (w - minimum).T + x.double() @ minimum.T
+    """What the kernel of `isa` computes, in float64: the weights times x rounded to bfloat16
+    (AVX-512, scalar) or (AVX2) to int8 per 32 inputs (quant_matmul.h)."""
+    if isa == "avx2":
+        q, scale, _ = N.quantize_activations(x)
+        rounded = (q * scale[..., None]).view(x.shape).double()
+    else:
+        rounded = x.to(torch.bfloat16).double()
+    return rounded @ dequantized(tensor).T
 
 
 def test_native_block_types_are_ours():

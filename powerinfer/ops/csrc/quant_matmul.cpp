@@ -69,17 +69,16 @@ torch::Tensor quant_repack(const torch::Tensor& raw, int64_t type) {
 PreparedInput prepare_input(const float* x, int64_t M, int64_t K, Isa isa) {
   const int64_t G = std::min(M, TASK_ROWS), groups = (M + G - 1) / G;
   PreparedInput p{M, K, G};
-  p.sum16.resize(M * K / QK_SUB);
-  p.sum32.resize(M * K / QK);
-  if (isa == Isa::AVX512) {
-    p.pairs.resize(groups * G * K / 2);
-  } else if (isa == Isa::AVX2) {
+  if (isa == Isa::AVX2) {
     p.q8.resize(M * K);
     p.scale.resize(M * K / QK);
     p.qsum16.resize(M * K / QK_SUB);
     p.qsum32.resize(M * K / QK);
   } else {
-    p.f32.resize(M * K);
+    if (isa == Isa::AVX512) p.pairs.resize(groups * G * K / 2);
+    else p.f32.resize(M * K);
+    p.sum16.resize(M * K / QK_SUB);
+    p.sum32.resize(M * K / QK);
   }
   // Groups of rows in parallel: at prefill (hundreds of rows) a serial pass would cost a good part
   // of what the products do.
@@ -88,7 +87,7 @@ PreparedInput prepare_input(const float* x, int64_t M, int64_t K, Isa isa) {
     switch (isa) {
 #ifdef POWERINFER_X86
       case Isa::AVX512: avx512::prepare_rows(x, m0, m1, p); break;
-      case Isa::AVX2: avx2::prepare_rows(x, m0, m1, p); break;
+      case Isa::AVX2: avx2::prepare_rows(x, m0, m1, p); return;  // its own sums
 #endif
       default:
         for (int64_t g = m0 * K / QK_SUB; g < m1 * K / QK_SUB; ++g) {

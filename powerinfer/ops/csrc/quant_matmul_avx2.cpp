@@ -1,8 +1,8 @@
 // QuantLinear's AVX2 kernel (layout: quant_matmul.h). x comes rounded to int8 per block of 32
 // (prepare_input); the weights' unsigned q stay bytes, and `vpmaddubsw` multiplies 32 weight-input
 // pairs and adds them in pairs per instruction. The int16 sums are widened to int32 before they can
-// overflow, the sub-block's offset is taken away in integers, and each sub-block's int32 sums meet
-// their float scales once. Q8_0 (signed weights) multiplies int16 pairs with `vpmaddwd` instead.
+// overflow, and each sub-block's int32 sums meet their float scales once: the result is exactly the
+// product of the rounded x and the weights, offsets and minimums included (as llama.cpp computes it). Q8_0 (signed weights) multiplies int16 pairs with `vpmaddwd` instead.
 //
 // What a step reads: 4 consecutive inputs 4s .. 4s + 3 of a chunk's 16 outputs. Its weights become
 // two vectors (outputs 0-7, 8-15) whose 16-bit lane o holds q of inputs 4s, 4s + 1 of that output in
@@ -136,7 +136,6 @@ void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, flo
   const int64_t K = x.K, n_blocks = K / F.n, n_sub = F.n_sub(), per_sub = K / F.sub;
   const int8_t* xq = x.q8.data() + m0 * K;
   const float* qsums = (F.sub == QK_SUB ? x.qsum16 : x.qsum32).data() + m0 * per_sub;
-  const float* sums = (F.sub == QK_SUB ? x.sum16 : x.sum32).data() + m0 * per_sub;
   const float* scales = x.scale.data() + m0 * (K / QK);
   __m256 acc[ROWS][2];
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -164,12 +163,13 @@ void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, flo
       for (int h = 0; h < 2; ++h) {
         __m256 dsc, min;
         sub_block_scales<TYPE>(chunk, j, h, dsc, min);
+        // the coefficient of the sub-block's sum of xq: dmin mn - offset d sc
+        const __m256 coefficient = _mm256_fmadd_ps(dsc, _mm256_set1_ps(-static_cast<float>(F.offset)), min);
         for (int r = 0; r < ROWS; ++r) {
-          // d sc dx (q . xq - offset sum xq) + dmin mn sum x
-          __m256 dot_f = _mm256_cvtepi32_ps(dot[r][h]);
-          if constexpr (F.offset != 0) dot_f = _mm256_sub_ps(dot_f, _mm256_set1_ps(F.offset * qsums[r * per_sub + s]));
-          acc[r][h] = _mm256_fmadd_ps(dot_f, _mm256_mul_ps(dsc, _mm256_set1_ps(scales[r * (K / QK) + k / QK])), acc[r][h]);
-          if constexpr (F.has_min) acc[r][h] = _mm256_fmadd_ps(min, _mm256_set1_ps(sums[r * per_sub + s]), acc[r][h]);
+          // dx (d sc q . xq + (dmin mn - offset d sc) sum xq)
+          const __m256 sum_term = _mm256_mul_ps(coefficient, _mm256_set1_ps(qsums[r * per_sub + s]));
+          const __m256 block = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), dsc, sum_term);
+          acc[r][h] = _mm256_fmadd_ps(block, _mm256_set1_ps(scales[r * (K / QK) + k / QK]), acc[r][h]);
         }
       }
     }
@@ -264,10 +264,8 @@ void prepare_rows(const float* x, int64_t m_begin, int64_t m_end, PreparedInput&
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.q8.data() + g * QK), bytes);
     for (int half = 0; half < 2; ++half) {
       int32_t qsum = 0;
-      float sum = 0.0f;
-      for (int k = 16 * half; k < 16 * half + 16; ++k) qsum += p.q8[g * QK + k], sum += xb[k];
+      for (int k = 16 * half; k < 16 * half + 16; ++k) qsum += p.q8[g * QK + k];
       p.qsum16[2 * g + half] = static_cast<float>(qsum);
-      p.sum16[2 * g + half] = sum;
     }
     p.qsum32[g] = p.qsum16[2 * g] + p.qsum16[2 * g + 1];
   }
