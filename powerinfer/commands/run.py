@@ -33,8 +33,8 @@ def main(args: argparse.Namespace) -> int:
     if args.system is not None:
         raise PowerInferError("-sys/--system-prompt sets a conversation's system message: add -cnv (or use chat)")
     llm = load_llm(args)
-    print(f"powerinfer: {llm.summary()}", file=sys.stderr)
     stream = llm.generate_stream(prompt, max_tokens=max_tokens(args.n_predict, llm), stop=args.stop, **sampling_from_args(args))
+    print(f"powerinfer: {llm.summary()}", file=sys.stderr)  # once the prompt is known to fit: a refusal is one line
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
