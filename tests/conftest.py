@@ -191,3 +191,29 @@ def sentencepiece_gguf(sentencepiece_model, tmp_path_factory):
         "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_space_prefix": True,
     }, [])
     return path
+
+
+@pytest.fixture(scope="module")
+def server(default_llm):
+    """The HTTP app over the default model, served from a thread on a loopback port."""
+    from powerinfer.server.app import create_app
+    from powerinfer.server.gate import LOOPBACK_HOSTS
+
+    from helpers import PARALLEL, ServerThread
+
+    running = ServerThread(create_app(default_llm, parallel=PARALLEL, allowed_hosts=LOOPBACK_HOSTS))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client of `server`."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_id(client) -> str:
+    return client.models.list().data[0].id

@@ -4,16 +4,22 @@ errors, engines over small models, random tensors and neuron stores, reading Pow
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import torch
+import uvicorn
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, quants
 
+from powerinfer.commands.serve import listen
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.reader import PWRI_MAGIC, GGUFTensor
 from powerinfer.models import load_model, read_config
@@ -141,3 +147,53 @@ def read_back_powerinfer_gguf(path: Path, tmp_path: Path) -> GGUFReader:
     with open(copy, "r+b") as f:
         f.write(b"GGUF")
     return GGUFReader(copy)
+
+
+# ---------------------------------------------------------------- the HTTP server
+
+PARALLEL = 4  # the KV-cache slots of the test server (conftest's `server` fixture)
+
+
+class ServerThread:
+    """uvicorn serving `app` on a free loopback port from a background thread."""
+
+    def __init__(self, app):
+        sock = listen("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+def serve_command(*args: str, code: str | None = None) -> subprocess.Popen:
+    """`powerinfer serve ARGS` in a child process (run by `code`, which calls the CLI, when given)."""
+    launcher = ["-c", code] if code else ["-m", "powerinfer.cli"]
+    return subprocess.Popen([sys.executable, *launcher, "serve", *args], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def serving_url(process: subprocess.Popen) -> str:
+    """The URL a serve process prints, once its /health says the model is loaded."""
+    url = re.search(r"listening on (http://\S+)", process.stderr.readline()).group(1)
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{url}/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return url

@@ -137,8 +137,8 @@ def test_create_chat_completion_tools_and_json(default_llm):
 def test_create_completion_refuses_bad_fields(default_llm):
     with pytest.raises(PowerInferError, match="presence_penalty"):
         default_llm.create_completion("x", presence_penalty="abc")
-    with pytest.raises(PowerInferError, match="unsupported field: echo"):
-        default_llm.create_completion("x", echo=True)
+    with pytest.raises(PowerInferError, match="guided_whitespace_pattern"):
+        default_llm.create_completion("x", guided_whitespace_pattern=r"\s*")
     with pytest.raises(PowerInferError, match="out of range"):
         default_llm.create_completion("x", logit_bias={"99999999": 1})
 

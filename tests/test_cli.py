@@ -68,8 +68,9 @@ def test_bench_prints_markdown_table_as_it_goes(default_model):
     result = powerinfer("bench", "-m", str(default_model), "-p", "16", "-n", "4", "-r", "1")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
-    assert lines[0].startswith("| model | size | params | backend | threads | test | t/s")
-    assert [line.split("|")[6].strip() for line in lines[2:]] == ["pp16", "tg4"]
+    assert lines[0].startswith("| model | size | params | backend | threads | sparsity | test | t/s")
+    assert [line.split("|")[7].strip() for line in lines[2:]] == ["pp16", "tg4"]
+    assert [line.split("|")[6].strip() for line in lines[2:]] == ["off", "off"]
     assert "bench pp16" in result.stderr and "bench tg4" in result.stderr  # the progress bar names each test
 
 

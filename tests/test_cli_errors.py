@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +97,17 @@ def test_damaged_profile_json(tmp_path, capsys):
     (tmp_path / "activation" / "profile.json").write_text("{not json")
     argv = ["inspect", "--activations", str(tmp_path), "-o", str(tmp_path / "a.png")]
     assert "not readable JSON" in assert_one_line_error(argv, capsys)
+
+
+@pytest.mark.parametrize("command", ["profile", "train-predictors"])
+def test_calibration_outputs_and_tokens_are_checked_before_the_model_loads(tmp_path, command, capsys):
+    """The model is missing too: an answer about the output or --tokens came before any loading."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    missing_model = str(tmp_path / "none.gguf")
+    text = str(Path(__file__).parent / "data" / "wikitext-2" / "valid.txt")
+    message = assert_one_line_error([command, "-m", missing_model, "-f", text, "-o", str(blocker / "out")], capsys)
+    assert f"{blocker} is not a folder" in message
+    message = assert_one_line_error([command, "-m", missing_model, "-f", text, "-o", str(tmp_path / "out"),
+                                     "--tokens", "10"], capsys)
+    assert "--tokens 10: calibration needs at least" in message

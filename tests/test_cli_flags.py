@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import re
+from pathlib import Path
 
 import pytest
 
@@ -15,15 +17,17 @@ MODEL_COMMANDS = ["run", "chat", "bench", "serve", "perplexity", "profile", "tra
 LLAMA_CPP_FLAGS = {
     **{command: [("-ngl", "99", "n_gpu_layers", 99), ("-ctk", "f32", "cache_type", "f32"),
                  ("-hf", "org/name:Q4_K_M", "hf_repo", "org/name:Q4_K_M"),
-                 ("-hfr", "org/name", "hf_repo", "org/name"), ("-hff", "f.gguf", "hf_file", "f.gguf")]
+                 ("-hfr", "org/name", "hf_repo", "org/name"), ("-hff", "f.gguf", "hf_file", "f.gguf"),
+                 ("-fa", "on", "flash_attn", "on"), ("-ub", "64", "ubatch_size", 64),
+                 ("-ctv", "f32", "cache_type_v", "f32")]
        for command in MODEL_COMMANDS},
     **{command: [("-hf", "org/name", "hf_repo", "org/name"), ("-hfr", "org/name", "hf_repo", "org/name"),
-                 ("-hff", "f.gguf", "hf_file", "f.gguf")] for command in ("place", "pull")},
+                 ("-hff", "f.gguf", "hf_file", "f.gguf")] for command in ("place", "pull", "show")},
 }
 LLAMA_CPP_FLAGS["run"] += [("-cnv", None, "conversation", True), ("-no-cnv", None, "conversation", False),
                            ("-sys", "be brief", "system", "be brief")]
 LLAMA_CPP_FLAGS["chat"] += [("-sys", "be brief", "system", "be brief"), ("-cnv", None, "conversation", True)]
-LLAMA_CPP_FLAGS["serve"] += [("-np", "2", "parallel", 2)]
+LLAMA_CPP_FLAGS["serve"] += [("-np", "2", "parallel", 2), ("-cb", None, "cont_batching", True)]
 REQUIRED = {"perplexity": ["-f", "t.txt"], "profile": ["-f", "t.txt", "-o", "out"],
             "train-predictors": ["-f", "t.txt", "-o", "out"], "place": ["--vram-budget", "1"]}
 
@@ -40,7 +44,7 @@ def parse(*argv: str) -> argparse.Namespace:
 @pytest.mark.parametrize("command, flag, value, dest, expected",
                          [(c, *f) for c, flags in LLAMA_CPP_FLAGS.items() for f in flags])
 def test_llama_cpp_flags_are_read_whole(command, flag, value, dest, expected):
-    model = [] if flag in ("-hf", "-hfr") or command == "pull" else ["-m" if command == "place" else "-t", "1"]
+    model = [] if flag in ("-hf", "-hfr") or command in ("pull", "show") else ["-m" if command == "place" else "-t", "1"]
     args = parse(command, *model, *REQUIRED.get(command, []), flag, *([value] if value is not None else []))
     assert getattr(args, dest) == expected
 
@@ -54,8 +58,8 @@ def test_every_multi_letter_flag_we_define_is_listed():
 
 
 @pytest.mark.parametrize("argv, glued", [
-    (["run", "-p", "x", "-fa"], "-fa"),  # llama.cpp's flash attention: not -f a
-    (["run", "-p", "x", "-ctv", "q8_0"], "-ctv"),  # llama.cpp's V cache type (ours: -ctk, both): not -c tv
+    (["run", "-p", "x", "-nkvo"], "-nkvo"),  # llama.cpp's no-KV-offload: not -n kvo
+    (["run", "-p", "x", "-sm", "row"], "-sm"),  # llama.cpp's split mode: not -s m
     (["bench", "-ngld", "3"], "-ngld"),
     (["-hf", "org/name"], "-hf"),  # before the command: not -h f
 ])
@@ -72,10 +76,25 @@ def test_glued_numbers_still_work():
 
 
 def test_version(capsys):
+    """As llama-cli --version: the build (commit), the instruction set, torch, and CUDA."""
+    import subprocess
+
+    import torch
+
+    from powerinfer.ops import native
+
     with pytest.raises(SystemExit) as exit_info:
         parse("--version")
     assert exit_info.value.code == 0
-    assert capsys.readouterr().out.strip() == f"powerinfer {importlib.metadata.version('powerinfer')}"
+    lines = capsys.readouterr().out.strip().splitlines()
+    package = Path(__file__).parent.parent / "powerinfer"
+    head = subprocess.run(["git", "-C", str(package), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    version, commit = re.fullmatch(r"powerinfer (\S+) \(commit (\w+)\)", lines[0]).groups()
+    assert version == importlib.metadata.version("powerinfer") and head.startswith(commit)
+    ops = native.load()
+    assert lines[1].startswith("native kernels: " + ("unavailable" if ops is None else ops.isa()))
+    assert lines[2] == f"torch {torch.__version__}"
+    assert lines[3].startswith("CUDA: usable" if torch.cuda.is_available() else "CUDA: not usable")
 
 
 @pytest.mark.parametrize("flag, value", [

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from powerinfer.errors import PowerInferError
+from powerinfer.errors import ModelFileError, PowerInferError
 from powerinfer.hub import hf_model_path, looks_like_hf_repo, resolve_model
 
 REPO = "someone/Tiny-GGUF"
@@ -150,3 +152,53 @@ def test_missing_from_the_cache_offline_is_one_line(cached_default_model, args, 
     result = cli(*args, env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and fragment in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("model", ["./models/smollm", "../smollm", "/nowhere/smollm", "~/nowhere-powerinfer/smollm",
+                                   "smollm.gguf", "org/name.GGUF", "models/org/name", "."])
+def test_what_looks_like_a_path_is_a_file(model):
+    assert not looks_like_hf_repo(model)
+
+
+def test_a_missing_file_is_reported_at_once(tmp_path, monkeypatch):
+    """`models/smollm` in a folder that has models/ is a mistyped file, never a repo to look up."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    assert not looks_like_hf_repo("models/smollm") and looks_like_hf_repo("elsewhere/smollm")
+    for model in ("models/smollm", "./smollm", "smollm.gguf", "~/nowhere-powerinfer/x.gguf"):
+        with pytest.raises(ModelFileError, match=f"{model}: no such file"):
+            resolve_model(model)
+
+
+def refused_endpoint() -> str:
+    """A loopback URL nothing listens on (the port was just free), so connecting is refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("spec, hf_file", [("someone/not-cached:Q4_0", None), ("someone/not-cached", "m.gguf")])
+def test_an_uncached_repo_without_a_network_fails_within_3_s(hf_cache, monkeypatch, spec, hf_file):
+    """Not offline by setting, but the hub refuses connections: one error, not huggingface_hub's
+    25 s of retries."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", refused_endpoint())
+    started = time.monotonic()
+    with pytest.raises(PowerInferError, match=r"the Hugging Face cache .*the hub \(http://127.0.0.1:\d+\) cannot be reached"):
+        hf_model_path(spec, hf_file)
+    assert time.monotonic() - started < 3
+
+
+@pytest.mark.parametrize("args", [["run", "-m", "someone/not-cached", "-p", "hi"],
+                                  ["run", "-hf", "someone/not-cached:Q8_0", "-p", "hi"],
+                                  ["pull", "someone/not-cached"]])
+def test_an_uncached_repo_without_a_network_is_one_line(tmp_path, args):
+    env = {key: value for key, value in os.environ.items() if key != "HF_HUB_OFFLINE"}
+    env.update(HF_HUB_CACHE=str(tmp_path), HF_ENDPOINT=refused_endpoint())
+    result = subprocess.run([sys.executable, "-m", "powerinfer.cli", *args], capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot be reached" in lines[0] and "Retrying" not in result.stderr, result.stderr

@@ -39,9 +39,15 @@ def test_test_modules_do_not_import_each_other():
 REPOSITORY_PATH = re.compile(r"(?<![\w./~-])((?:\.\./)?(?:powerinfer|tests|benchmarks|docs|scripts|\.ci)/[\w./-]*\w)")
 
 
+# markdown links, and documents sent to by name (README.md; DESIGN.md is not in the repository)
+MARKDOWN_LINK = re.compile(r"\]\(([^)#\s:]+)\)")
+DOCUMENT_NAME = re.compile(r"\b([A-Z][A-Za-z_-]*\.md)\b")
+
+
 def test_documents_name_files_that_exist():
     documents = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *(ROOT / "docs").glob("*.md")]
     missing = [f"{document.relative_to(ROOT)}: {path}" for document in documents
-               for path in REPOSITORY_PATH.findall(document.read_text())
-               if not (ROOT / path).exists() and not (document.parent / path).exists()]
+               for pattern in (REPOSITORY_PATH, MARKDOWN_LINK, DOCUMENT_NAME)
+               for path in pattern.findall(document.read_text())
+               if not any((folder / path).exists() for folder in (ROOT, document.parent, ROOT / "docs"))]
     assert not missing, "\n".join(missing)

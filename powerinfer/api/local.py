@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
-from powerinfer.api.prepare import Prepared, prepare_chat, prepare_completion
-from powerinfer.api.replies import OpenAIReply
+from powerinfer.api.prepare import Prepared, prepare_chat, prepare_completions
+from powerinfer.api.replies import OpenAIReply, joined, merged, merged_usage_chunk
 from powerinfer.api.schemas import ChatRequest, CompletionRequest, OpenAIRequest, validation_message
 from powerinfer.errors import PowerInferError
 from powerinfer.runtime.scheduler import Event, Request, Scheduler
@@ -49,27 +49,35 @@ def _events(llm: LLM, prepared: Prepared) -> Iterator[Event]:
         scheduler.close()
 
 
-def _answer(llm: LLM, body: OpenAIRequest, prepared: Prepared, chat: bool) -> dict | Iterator[dict]:
-    reply = OpenAIReply(llm.path.name, llm.tokenizer, prepared, chat)
+def _answer(llm: LLM, body: OpenAIRequest, batch: list[Prepared], chat: bool) -> dict | Iterator[dict]:
+    """The answer to a request of one prompt or (completions) a batch of them, one after the other."""
+    for prepared in batch:
+        if prepared.echo is not None:
+            prepared.echo.score(llm)
+    replies = joined([OpenAIReply(llm.path.name, llm.tokenizer, prepared, chat) for prepared in batch])
     if body.stream:
-        return _stream(llm, reply, prepared, body.stream_options is not None and body.stream_options.include_usage)
-    completions = {e.index: e.completion for e in _events(llm, prepared) if e.completion is not None}
-    return reply.whole([completions[i] for i in sorted(completions)])
+        return _stream(llm, replies, batch, body.stream_options is not None and body.stream_options.include_usage)
+    answers = []
+    for reply, prepared in zip(replies, batch):
+        completions = {e.index: e.completion for e in _events(llm, prepared) if e.completion is not None}
+        answers.append(reply.whole([completions[i] for i in sorted(completions)]))
+    return merged(answers)
 
 
-def _stream(llm: LLM, reply: OpenAIReply, prepared: Prepared, include_usage: bool) -> Iterator[dict]:
-    yield from reply.opening()
-    for event in _events(llm, prepared):
-        yield from reply.chunks(event)
+def _stream(llm: LLM, replies: list[OpenAIReply], batch: list[Prepared], include_usage: bool) -> Iterator[dict]:
+    for reply, prepared in zip(replies, batch):
+        yield from reply.opening()
+        for event in _events(llm, prepared):
+            yield from reply.chunks(event)
     if include_usage:
-        yield reply.usage_chunk()
+        yield merged_usage_chunk(replies)
 
 
 def create_completion(llm: LLM, fields: dict[str, Any]) -> dict | Iterator[dict]:
     body = validated(CompletionRequest, fields)
-    return _answer(llm, body, prepare_completion(llm, body), chat=False)
+    return _answer(llm, body, prepare_completions(llm, body), chat=False)
 
 
 def create_chat_completion(llm: LLM, fields: dict[str, Any]) -> dict | Iterator[dict]:
     body = validated(ChatRequest, fields)
-    return _answer(llm, body, prepare_chat(llm, body), chat=True)
+    return _answer(llm, body, [prepare_chat(llm, body)], chat=True)

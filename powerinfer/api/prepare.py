@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from powerinfer.api.echo import Echo
+from powerinfer.api.guided import guided_grammar
 from powerinfer.api.schemas import ChatRequest, CompletionRequest, OpenAIRequest
 from powerinfer.api.tools import ToolFormat, template_messages, tool_format, tool_grammar
 from powerinfer.errors import PowerInferError
@@ -28,11 +30,19 @@ class Prepared:
     sequences: list[GenerationSequence]
     logprobs: bool
     tools: ToolFormat | None = None
+    echo: Echo | None = None  # completions' echo of the prompt
+    keep: int | None = None  # best_of: answer with this many of the sequences, the likeliest
+    first_index: int = 0  # the number of its first choice (a batch of prompts numbers them on)
 
 
 def _grammar(llm: LLM, request: OpenAIRequest, tools: ToolFormat | None) -> Constraint | None:
+    guides = request.guides()
     if tools is not None:
+        if guides:
+            raise PowerInferError(f"{guides[0]} with tools: use one or the other")
         grammar = tool_grammar(request, tools)  # type: ignore[arg-type] - only chat requests have tools
+    elif guides:
+        grammar = guided_grammar(guides[0], getattr(request, guides[0]))
     elif request.response_format is None or request.response_format.type == "text":
         return None
     elif request.response_format.type == "json_object":
@@ -42,7 +52,7 @@ def _grammar(llm: LLM, request: OpenAIRequest, tools: ToolFormat | None) -> Cons
     return Constraint(llm.tokenizer, llm.config.n_vocab, grammar)
 
 
-def _sequences(llm: LLM, request: OpenAIRequest, prompt: str | list[int], max_tokens: int, logprobs: int | None,
+def _sequences(llm: LLM, request: OpenAIRequest, prompt: list[int], max_tokens: int, logprobs: int | None,
                tools: ToolFormat | None = None) -> list[GenerationSequence]:
     sampling = request.sampling()
     bad = [t for t in sampling["logit_bias"] if t >= llm.config.n_vocab]
@@ -55,10 +65,35 @@ def _sequences(llm: LLM, request: OpenAIRequest, prompt: str | list[int], max_to
     return [first, *(first.fork(None if seed is None else (seed + i) % 2**64) for i in range(1, request.choices))]
 
 
-def prepare_completion(llm: LLM, request: CompletionRequest) -> Prepared:
+def _completion_prompt(llm: LLM, request: CompletionRequest, prompt: str | list[int]) -> list[int]:
+    """The prompt's ids; with `suffix`, in the model's fill-in-the-middle order (prefix, suffix, middle)."""
+    if not request.suffix:
+        return llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    fim = llm.tokenizer.fim_ids
+    if fim is None:
+        raise PowerInferError("suffix: this model has no fill-in-the-middle tokens")
+    before = llm.tokenizer.encode(prompt, add_bos=False) if isinstance(prompt, str) else list(prompt)
+    bos = [llm.tokenizer.bos_id] if llm.tokenizer.add_bos else []
+    return [*bos, fim.prefix, *before, fim.suffix, *llm.tokenizer.encode(request.suffix, add_bos=False), fim.middle]
+
+
+def prepare_completions(llm: LLM, request: CompletionRequest) -> list[Prepared]:
+    """One `Prepared` per prompt of the request, their choices numbered on from the previous ones'."""
+    batch = [prepare_completion(llm, request, prompt) for prompt in request.prompts()]
+    for k, prepared in enumerate(batch):
+        prepared.first_index = k * (prepared.keep or len(prepared.sequences))
+    return batch
+
+
+def prepare_completion(llm: LLM, request: CompletionRequest, prompt: str | list[int]) -> Prepared:
     max_tokens = COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
-    return Prepared(_sequences(llm, request, request.single_prompt(), max_tokens, request.logprobs),
-                    logprobs=request.logprobs is not None)
+    ids = _completion_prompt(llm, request, prompt)
+    ranked = request.choices > (request.n or 1)  # best_of: every sequence's logprobs rank it
+    logprobs = request.logprobs if request.logprobs is not None or not ranked else 0
+    sequences = _sequences(llm, request, ids, max_tokens, logprobs)  # checks the ids first
+    echo = Echo(prompt if isinstance(prompt, str) else llm.detokenize(prompt, special=True), ids, request.logprobs) \
+        if request.echo else None
+    return Prepared(sequences, logprobs=request.logprobs is not None, echo=echo, keep=request.n or 1 if ranked else None)
 
 
 def prepare_chat(llm: LLM, request: ChatRequest) -> Prepared:

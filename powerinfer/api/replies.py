@@ -26,6 +26,36 @@ def usage(completions: list[Completion]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
+def joined(replies: list[OpenAIReply]) -> list[OpenAIReply]:
+    """A batch's replies, answering as one: one id and creation time."""
+    for reply in replies[1:]:
+        reply.id, reply.created = replies[0].id, replies[0].created
+    return replies
+
+
+def merged(answers: list[dict]) -> dict:
+    """A batch's whole answers as one: every choice, the usage added up."""
+    usages = [a["usage"] for a in answers]
+    return {**answers[0], "choices": [c for a in answers for c in a["choices"]],
+            "usage": {key: sum(u[key] for u in usages) for key in usages[0]}}
+
+
+def merged_usage_chunk(replies: list[OpenAIReply]) -> dict:
+    chunks = [r.usage_chunk() for r in replies]
+    return {**chunks[0], "usage": {key: sum(c["usage"][key] for c in chunks) for key in chunks[0]["usage"]}}
+
+
+def best(completions: list[Completion], keep: int) -> list[Completion]:
+    """best_of: the `keep` completions of highest log probability per token, as OpenAI ranks them
+    (their order among themselves kept)."""
+    def mean_logprob(completion: Completion) -> float:
+        entries = completion.logprobs or []
+        return sum(e.logprob for e in entries) / len(entries) if entries else 0.0
+
+    ranked = sorted(range(len(completions)), key=lambda i: -mean_logprob(completions[i]))[:keep]
+    return [completions[i] for i in sorted(ranked)]
+
+
 class OpenAIReply:
     """One request's answer: `whole(completions)`, or `opening()`, `chunks(event)` per event and
     `usage_chunk()` for a stream."""
@@ -36,6 +66,8 @@ class OpenAIReply:
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
         self.model, self.tokenizer, self.chat = model, tokenizer, chat
         self.logprobs, self.tools = prepared.logprobs, prepared.tools
+        self.echo, self.keep, self.first_index = prepared.echo, prepared.keep, prepared.first_index
+        self.echoed: set[int] = set()  # choices whose stream already carried the prompt
         self.n = len(prepared.sequences)
         self.created = int(time.time())
         self.text_offsets = [0] * self.n  # where the next token's text starts, per choice (completions)
@@ -45,14 +77,16 @@ class OpenAIReply:
     # -- whole answers ---------------------------------------------------------------------------
 
     def whole(self, completions: list[Completion]) -> dict:
-        choices = [self._whole_choice(i, c) for i, c in enumerate(completions)]
+        answered = completions if self.keep is None else best(completions, self.keep)
+        choices = [self._whole_choice(i, c) for i, c in enumerate(answered)]
         return {**self._envelope(self.object, choices), "usage": usage(completions)}
 
     def _whole_choice(self, index: int, completion: Completion) -> dict:
-        logprobs = self._logprobs(index, completion.logprobs or []) if self.logprobs else None
         if not self.chat:
-            return {"index": index, "text": completion.text, "logprobs": logprobs,
+            text, logprobs = self._echoed(index, completion.text, completion.logprobs or [])
+            return {"index": self.first_index + index, "text": text, "logprobs": logprobs,
                     "finish_reason": completion.finish_reason}
+        logprobs = self._logprobs(index, completion.logprobs or []) if self.logprobs else None
         message: dict[str, Any] = {"role": "assistant", "content": completion.text}
         finish = completion.finish_reason
         call = self.tools.parse(completion.text) if self.tools is not None else None
@@ -73,7 +107,11 @@ class OpenAIReply:
     def chunks(self, event: Event) -> list[dict]:
         """The chunks for one event of the scheduler (an error event is the caller's to report)."""
         i, text = event.index, event.text
-        logprobs = self._logprobs(i, event.logprobs) if self.logprobs and event.logprobs else None
+        if self.echo is not None and i not in self.echoed:
+            self.echoed.add(i)
+            text, logprobs = self._echoed(i, text, event.logprobs or [])
+        else:
+            logprobs = self._logprobs(i, event.logprobs) if self.logprobs and event.logprobs else None
         out = []
         if self.tools is not None:  # a call is only known once complete: its text comes at the end
             self.held[i] += text
@@ -102,8 +140,8 @@ class OpenAIReply:
 
     def _chunk(self, index: int, content: dict | str, logprobs: dict | None, finish: str | None) -> dict:
         field = "delta" if self.chat else "text"
-        return self._envelope(self.chunk_object, [{"index": index, field: content, "logprobs": logprobs,
-                                                   "finish_reason": finish}])
+        return self._envelope(self.chunk_object, [{"index": self.first_index + index, field: content,
+                                                   "logprobs": logprobs, "finish_reason": finish}])
 
     def _envelope(self, object: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices}
@@ -119,17 +157,29 @@ class OpenAIReply:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
-    def _logprobs(self, index: int, entries: list[TokenLogprob]) -> dict:
+    def _echoed(self, index: int, text: str, entries: list[TokenLogprob]) -> tuple[str, dict | None]:
+        """A completion's text and logprobs, after the prompt's when it is echoed."""
+        if self.echo is None:
+            return text, self._logprobs(index, entries) if self.logprobs else None
+        prompt = self.echo.logprobs or [None] * len(self.echo.ids)
+        scored = [*prompt, *entries] if self.echo.logprobs is not None else entries
+        return self.echo.text + text, self._logprobs(index, scored, self.echo.ids) if self.logprobs else None
+
+    def _logprobs(self, index: int, entries: list[TokenLogprob | None], ids: list[int] = ()) -> dict:
+        """OpenAI's logprobs of `entries`; an entry of None (an echoed prompt's first token) is
+        token `ids[i]` with null logprobs."""
         if self.chat:
             return {"content": [self._chat_logprob(e) for e in entries], "refusal": None}
         tokens, offsets = [], []
-        for entry in entries:
-            text, raw = self._token(entry.token)
+        for i, entry in enumerate(entries):
+            text, raw = self._token(entry.token if entry is not None else ids[i])
             tokens.append(text)
             offsets.append(self.text_offsets[index])
             self.text_offsets[index] += len(raw.decode("utf-8", errors="ignore"))
-        return {"tokens": tokens, "token_logprobs": [max(e.logprob, MIN_LOGPROB) for e in entries],
-                "top_logprobs": [{self._token(t)[0]: max(lp, MIN_LOGPROB) for t, lp in e.top} for e in entries],
+        return {"tokens": tokens,
+                "token_logprobs": [None if e is None else max(e.logprob, MIN_LOGPROB) for e in entries],
+                "top_logprobs": [None if e is None else {self._token(t)[0]: max(lp, MIN_LOGPROB) for t, lp in e.top}
+                                 for e in entries],
                 "text_offset": offsets}
 
     def _chat_logprob(self, entry: TokenLogprob) -> dict:

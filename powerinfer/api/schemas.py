@@ -59,6 +59,9 @@ TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 LogitBias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(ge=-100.0, le=100.0)]]
 MAX_CHOICES = 16
+MAX_BATCH = 64  # prompts in one /v1/completions request
+MAX_GUIDE_LENGTH = 65536  # characters of a guided regex, choice or grammar
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's
 
 
 class Body(BaseModel):
@@ -191,6 +194,14 @@ class OpenAIRequest(Sampling):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None  # a caller's tag for its end users; nothing to do with it here
+    # vLLM's guided decoding (powerinfer/api/guided.py), at most one of them
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: Annotated[str, Field(min_length=1, max_length=MAX_GUIDE_LENGTH)] | None = None
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_GUIDE_LENGTH)]],
+                             Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: Annotated[str, Field(min_length=1, max_length=MAX_GUIDE_LENGTH)] | None = None
+    guided_decoding_backend: str | None = None  # vLLM's choice of engine: ours is llguidance, whatever it names
+    guided_whitespace_pattern: None = None  # vLLM's JSON whitespace: ours is fixed (any value is refused)
 
     @model_validator(mode="before")
     @classmethod
@@ -208,27 +219,52 @@ class OpenAIRequest(Sampling):
             log.warning("ignoring %d fields nobody defines: %s", len(unknown), ", ".join(unknown[:20]))
         return self
 
+    @model_validator(mode="after")
+    def _one_guide(self) -> OpenAIRequest:
+        guides = self.guides()
+        if len(guides) > 1:
+            raise ValueError(f"{' and '.join(guides)}: give one guided_* field at most")
+        if guides and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"{guides[0]} with response_format: use one or the other")
+        return self
+
+    def guides(self) -> list[str]:
+        """The guided_* fields given (vLLM's)."""
+        return [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
+
     @property
     def choices(self) -> int:
         return self.n or 1
 
 
 class CompletionRequest(OpenAIRequest):
-    """POST /v1/completions. A prompt is text or token ids (a batch of one is accepted too)."""
+    """POST /v1/completions. A prompt is text or token ids, or a batch of either (each prompt gets
+    its n choices, numbered prompt by prompt as OpenAI numbers them)."""
 
-    UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
-        "suffix": lambda v: v in (None, ""),
-        "echo": lambda v: v in (None, False),
-        "best_of": lambda v: v in (None, 1),
-    }
-
-    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[
-        list[TokenIds], Field(min_length=1, max_length=1)]
+    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH)] | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=MAX_BATCH)]
     logprobs: TopLogprobs | None = None
+    echo: bool | None = False  # the prompt first, with its logprobs when asked (powerinfer/api/echo.py)
+    suffix: str | None = None  # fill in the middle, between the prompt and this
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None  # sample this many, answer the likeliest n
 
-    def single_prompt(self) -> str | list[int]:
+    @model_validator(mode="after")
+    def _best_of_covers_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < (self.n or 1):
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.stream and (self.best_of or 1) > (self.n or 1):
+            raise ValueError("best_of greater than n cannot stream (the best are known only at the end)")
+        return self
+
+    @property
+    def choices(self) -> int:
+        """Sequences to generate: best_of of them when given."""
+        return self.best_of or self.n or 1
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: a list of texts or of token lists, else the one prompt."""
         batch = isinstance(self.prompt, list) and bool(self.prompt) and isinstance(self.prompt[0], str | list)
-        return self.prompt[0] if batch else self.prompt
+        return list(self.prompt) if batch else [self.prompt]
 
 
 class TextPart(Body):

@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
 from tqdm import tqdm
 
 from powerinfer.commands.common import load_llm
 from powerinfer.errors import PowerInferError
-from powerinfer.tools.bench import BenchSetup, Report, bench_tests, run_test
+from powerinfer.tools.bench import BenchSetup, Report, backend_name, bench_tests, run_test
 
 DEFAULT_N_PROMPT = [512]
 DEFAULT_N_GEN = [128]
@@ -30,12 +31,17 @@ def main(args: argparse.Namespace) -> int:
     if not tests:
         raise PowerInferError("nothing to measure: every -p and -n length is 0")
     args.ctx_size = max(t.n_prompt for t in tests) + max(t.n_gen for t in tests)
+    thread_counts, args.threads = args.threads or [None], None  # the model loads once, for every count
     llm = load_llm(args)
-    report = Report(args.output, BenchSetup.of(llm, args.n_gpu_layers or 0), write)
-    runs = len(tests) * (args.repetitions + 1)  # each test has one warm-up run
+    report = Report(args.output, write, backend_name())
+    runs = len(thread_counts) * len(tests) * (args.repetitions + 1)  # each test has one warm-up run
     with tqdm(total=runs, desc="bench", unit="run", file=sys.stderr, leave=False) as progress:
-        for test in tests:
-            progress.set_description(f"bench {test.name}")
-            report.add(run_test(llm, test, args.repetitions, after_each=lambda: progress.update()))
+        for threads in thread_counts:
+            if threads is not None:
+                torch.set_num_threads(threads)
+            setup = BenchSetup.of(llm, args.n_gpu_layers or 0)
+            for test in tests:
+                progress.set_description(f"bench {test.name} t{torch.get_num_threads()}")
+                report.add(setup, run_test(llm, test, args.repetitions, after_each=lambda: progress.update()))
     report.finish()
     return 0

@@ -12,7 +12,7 @@ import signal
 import sys
 
 from powerinfer.cli import is_utf8, sampling_from_args
-from powerinfer.commands.common import load_llm, max_tokens, read_prompt
+from powerinfer.commands.common import load_chat_llm, max_tokens, read_prompt
 from powerinfer.errors import PowerInferError
 
 COMMANDS = {
@@ -122,7 +122,7 @@ def run_command(line: str, conversation: Conversation) -> bool:
 
 def main(args: argparse.Namespace) -> int:
     first = read_prompt(args)
-    llm = load_llm(args)
+    llm = load_chat_llm(args)
     conversation = Conversation(llm, args.system)
     interactive = sys.stdin.isatty()
     if interactive:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from powerinfer.commands.llama_flags import cache_type
 from powerinfer.errors import PowerInferError
 from powerinfer.hub import hf_model_path, resolve_model
 
@@ -21,8 +22,20 @@ def load_llm(args: argparse.Namespace):
     from powerinfer.llm import LLM
 
     return LLM(model_path(args), threads=args.threads, n_ctx=getattr(args, "ctx_size", None), dtype=args.dtype,
-               cache_type=getattr(args, "cache_type", None), sparsity=getattr(args, "sparsity", "off"),
-               **hybrid_arguments(args))
+               cache_type=cache_type(args), sparsity=getattr(args, "sparsity", "off"),
+               **({"n_batch": args.batch_size} if args.batch_size else {}),
+               chat_template=getattr(args, "chat_template", None), **hybrid_arguments(args))
+
+
+def load_chat_llm(args: argparse.Namespace):
+    """`load_llm` for the commands that render chats, saying in one line which template a file
+    without one gets."""
+    llm = load_llm(args)
+    origin = llm.tokenizer.chat_template_origin
+    if args.chat_template is None and origin.startswith("built-in"):
+        print(f"powerinfer: {llm.path.name} has no chat template: using the {origin} template "
+              "(--chat-template NAME|FILE for another)", file=sys.stderr)
+    return llm
 
 
 def hybrid_arguments(args: argparse.Namespace) -> dict:
@@ -60,13 +73,21 @@ def read_prompt(args: argparse.Namespace) -> str | None:
 DEFAULT_TARGET_SPARSITY = 0.5
 
 
+def check_calibration_flags(args: argparse.Namespace) -> None:
+    """What profile and train-predictors can refuse before loading anything."""
+    from powerinfer.sparsity.profiler import MIN_CALIBRATION_TOKENS
+
+    if args.tokens < MIN_CALIBRATION_TOKENS:
+        raise PowerInferError(f"--tokens {args.tokens}: calibration needs at least {MIN_CALIBRATION_TOKENS} tokens")
+
+
 def calibration_ids(args: argparse.Namespace, llm, text: str) -> list[int]:
     """The calibration text's token ids, refused when too short, and the firing target settled:
     SiLU/GELU neurons are never exactly zero, so "fired" needs a threshold: without
     --target-sparsity or --target-error, the one half of each layer's neurons stays under."""
     from powerinfer.sparsity.profiler import require_calibration_tokens
 
-    ids = llm.tokenize(text, add_bos=False)
+    ids = llm.tokenizer.encode(text, add_bos=False)
     require_calibration_tokens(ids, args.tokens)  # before the note below: a refusal is one line
     activation = llm.config.activation
     if args.target_sparsity is None and args.target_error is None and not activation.is_relu_family:

@@ -6,13 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from powerinfer.commands.common import calibration_ids, load_llm, read_text
+from powerinfer.commands.common import calibration_ids, check_calibration_flags, load_llm, read_text
 from powerinfer.outputs import check_output_dir
 from powerinfer.sparsity.profiler import ACTIVATION_FILES, profile_activations
 
 
 def main(args: argparse.Namespace) -> int:
     check_output_dir(Path(args.output) / "activation", ACTIVATION_FILES, args.force)
+    check_calibration_flags(args)
     text = read_text(args.file)
     args.ctx_size, args.dtype = args.chunk, "auto"
     llm = load_llm(args)

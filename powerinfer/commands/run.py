@@ -11,7 +11,8 @@ from powerinfer.errors import PowerInferError
 from powerinfer.runtime.sequence import Completion
 
 
-def print_timings(completion: Completion, load_seconds: float | None = None) -> None:
+def print_timings(completion: Completion, load_seconds: float | None = None, sparsity: bool = False) -> None:
+    """llama.cpp's timing lines on stderr; with `sparsity`, the share of FFN work skipped too."""
     t = completion.timings
     lines = []
     if load_seconds is not None:
@@ -20,6 +21,8 @@ def print_timings(completion: Completion, load_seconds: float | None = None) -> 
                  f"({t.prompt_seconds * 1e3 / max(t.prompt_tokens, 1):8.2f} ms per token, {t.prompt_tokens_per_second:8.2f} tokens per second)")
     lines.append(f"       eval time = {t.decode_seconds * 1e3:10.2f} ms / {t.decode_steps:5d} runs   "
                  f"({t.decode_seconds * 1e3 / max(t.decode_steps, 1):8.2f} ms per token, {t.decode_tokens_per_second:8.2f} tokens per second)")
+    if sparsity and t.ffn_share_skipped is not None:
+        lines.append(f"sparsity         = {t.ffn_share_skipped:10.1%} of FFN neurons skipped per token")
     print("\n" + "\n".join(lines), file=sys.stderr)
 
 
@@ -31,9 +34,10 @@ def main(args: argparse.Namespace) -> int:
         raise PowerInferError("-sys/--system-prompt sets a conversation's system message: add -cnv (or use chat)")
     llm = load_llm(args)
     stream = llm.generate_stream(prompt, max_tokens=max_tokens(args.n_predict, llm), stop=args.stop, **sampling_from_args(args))
+    print(f"powerinfer: {llm.summary()}", file=sys.stderr)  # once the prompt is known to fit: a refusal is one line
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    print_timings(stream.completion, llm.load_seconds)
+    print_timings(stream.completion, llm.load_seconds, sparsity=llm.sparsity != "off")
     return 0

@@ -61,9 +61,12 @@ def allowed_hosts(args: argparse.Namespace) -> frozenset[str] | None:
 
 def app_options(args: argparse.Namespace) -> dict:
     """create_app's keywords from the flags, alike for one server and for each Ray replica."""
+    from powerinfer.server.model_names import ModelNames
+
     return dict(parallel=args.parallel, allowed_hosts=allowed_hosts(args), api_keys=api_keys(args),
                 max_body_size=args.max_body_size, watchdog_seconds=args.watchdog, body_timeout=args.read_timeout,
-                max_body_memory=args.max_body_memory, max_embedding_tokens=args.max_embedding_tokens)
+                max_body_memory=args.max_body_memory, max_embedding_tokens=args.max_embedding_tokens,
+                model_names=ModelNames.of(args.alias, args.strict_model_name))
 
 
 def checked_model(args: argparse.Namespace) -> Path:
@@ -98,9 +101,10 @@ def main(args: argparse.Namespace) -> int:
 
         from powerinfer.server.app import create_app
         from powerinfer.server.connections import ConnectionLimits, server_config
+        from powerinfer.server.request_log import configure_logging
     except ImportError as error:
         raise PowerInferError(f"the server needs the 'serve' extra (pip install 'powerinfer[serve]'): {error}") from None
-    from powerinfer.commands.common import load_llm
+    from powerinfer.commands.common import load_chat_llm
 
     # A model file rewritten in place while mapped (cp over it, truncate) faults on the next read
     # of a missing page: say so on stderr, with every thread's stack, rather than die silently.
@@ -117,7 +121,7 @@ def main(args: argparse.Namespace) -> int:
         failures.append(error)
         server.should_exit = True
 
-    app = create_app(lambda: load_llm(args), on_load_error=stop, **options)
+    app = create_app(lambda: load_chat_llm(args), on_load_error=stop, **options)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:
@@ -127,7 +131,10 @@ def main(args: argparse.Namespace) -> int:
             super().handle_exit(sig, frame)
 
     limits = ConnectionLimits(args.read_timeout, args.keep_alive, args.max_connections)
-    server = Server(server_config(app, limits, log_level="info", timeout_graceful_shutdown=5))
+    configure_logging(args.log_format)
+    # our request lines replace uvicorn's access log; in json mode we format uvicorn's lines too
+    server = Server(server_config(app, limits, log_level="info", timeout_graceful_shutdown=5, access_log=False,
+                                  **({"log_config": None} if args.log_format == "json" else {})))
     host, port = sock.getsockname()[:2]
     print(f"powerinfer serve: listening on http://{host}:{port} ({args.parallel} slots); loading the model ...",
           file=sys.stderr)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from statistics import mean
 
-from powerinfer.commands.common import calibration_ids, load_llm, read_text
+from powerinfer.commands.common import calibration_ids, check_calibration_flags, load_llm, read_text
 from powerinfer.outputs import check_output_dir
 from powerinfer.sparsity.predictors import (
     PREDICTOR_FILES,
@@ -25,6 +25,7 @@ def _row(r: LayerReport) -> str:
 
 def main(args: argparse.Namespace) -> int:
     check_output_dir(args.output, PREDICTOR_FILES, args.force)
+    check_calibration_flags(args)
     text = read_text(args.file)
     args.ctx_size, args.dtype = args.chunk, "auto"
     llm = load_llm(args)

@@ -10,7 +10,6 @@ neuron store for a layer split between devices, dense for a layer offloaded whol
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from gguf import quants
@@ -32,8 +31,8 @@ from powerinfer.ops.linear import (
 )
 from powerinfer.ops.neuron import NeuronStore, accumulate_rows, gather_matvec, sparse_ffn
 from powerinfer.ops.quant import FLOAT_TYPES, T
+from powerinfer.options import SparsityMode
 
-SparsityMode = Literal["auto", "off", "oracle"]
 MAX_SPARSE_ROWS = 8  # beyond this many tokens at once (prefill) the FFN runs as masked dense GEMMs
 DENSE_SLICE = 2048  # neurons whose weights those GEMMs expand at a time
 ACTIVATION_THRESHOLDS_KEY = "powerinfer.activation_thresholds"  # ours: calibrated |a| thresholds per FFN unit

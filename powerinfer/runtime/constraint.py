@@ -64,6 +64,11 @@ def lark_grammar(lark: str) -> str:
         raise GrammarError(f"unusable grammar: {error}") from None
 
 
+def regex_grammar(regex: str) -> str:
+    """The grammar of texts that match `regex` whole."""
+    return llguidance.LLMatcher.grammar_from_regex(regex)
+
+
 class Constraint:
     """One sequence's position in a grammar: `allowed()` before sampling, `advance(token)` after."""
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from powerinfer.errors import PowerInferError
 from powerinfer.ops.linear import CPU
+from powerinfer.options import CacheType
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,6 @@ class SeqSpan:
         return self.start + self.length
 
 
-CacheType = Literal["f16", "f32"]
 CACHE_TYPES: dict[str, torch.dtype] = {"f16": torch.float16, "f32": torch.float32}
 # An accelerator's memory is the scarce resource, and its attention kernels compute in float16.
 ACCELERATOR_CACHE_DTYPE = torch.float16

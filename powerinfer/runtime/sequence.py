@@ -106,6 +106,8 @@ class Timings:
     generated_tokens: int = 0
     decode_steps: int = 0
     decode_seconds: float = 0.0
+    ffn_neurons_computed: int = 0  # over the decode steps, when FFNs compute only some neurons
+    ffn_neurons: int = 0  # the neurons those FFNs hold, over the same steps
 
     @property
     def prompt_tokens_per_second(self) -> float:
@@ -114,6 +116,11 @@ class Timings:
     @property
     def decode_tokens_per_second(self) -> float:
         return self.decode_steps / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def ffn_share_skipped(self) -> float | None:
+        """The share of FFN neurons the decode steps did not compute (None: no sparse FFN ran)."""
+        return 1 - self.ffn_neurons_computed / self.ffn_neurons if self.ffn_neurons else None
 
 
 @dataclass(frozen=True)

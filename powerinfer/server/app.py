@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from importlib.metadata import version
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,8 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from powerinfer.api import schemas
-from powerinfer.api.prepare import Prepared, prepare_chat, prepare_completion
-from powerinfer.api.replies import OpenAIReply, embedding_list
+from powerinfer.api.prepare import Prepared, prepare_chat, prepare_completions
+from powerinfer.api.replies import OpenAIReply, embedding_list, joined, merged
+from powerinfer.api.responses import ResponseShape, ResponsesRequest
 from powerinfer.errors import PowerInferError
 from powerinfer.llm import LLM
 from powerinfer.logs import cap_log_values
@@ -34,8 +34,10 @@ from powerinfer.server.errors import APIError, install_handlers
 from powerinfer.server.gate import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_MEMORY, DEFAULT_MAX_BODY_SIZE, RequestGate
 from powerinfer.server.generation import ClientGone, Generation, sliced_result
 from powerinfer.server.metrics import Metrics
+from powerinfer.server.model_names import ANY_NAME, ModelNames
 from powerinfer.server.replica import REPLICA_LABEL, ReplicaHeader, label_series
-from powerinfer.server.replies import llama_final, llama_stream, openai_stream
+from powerinfer.server.replies import llama_final, llama_stream, openai_stream, responses_stream
+from powerinfer.server.request_log import RequestLog, note_generation
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -46,11 +48,12 @@ DEFAULT_MAX_EMBEDDING_TOKENS = 32768  # per /v1/embeddings request, all its inpu
 class ServerState:
     """The model and its scheduler once loaded, or why loading failed."""
 
-    def __init__(self, parallel: int, watchdog_seconds: float):
-        self.parallel, self.watchdog_seconds = parallel, watchdog_seconds
+    def __init__(self, parallel: int, watchdog_seconds: float, names: ModelNames = ANY_NAME):
+        self.parallel, self.watchdog_seconds, self.names = parallel, watchdog_seconds, names
         self.llm: LLM | None = None
         self.scheduler: Scheduler | None = None
-        self.model_id = ""  # the file's name: answers never show where the model lives
+        self.model_ids: tuple[str, ...] = ()  # the aliases, else the file's name: never where the model lives
+        self.model_id = ""  # the first of them, named in every answer
         self.load_error: Exception | None = None
         self.started = int(time.time())
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -59,7 +62,8 @@ class ServerState:
         self.metrics = Metrics()
 
     def start(self, llm: LLM) -> None:
-        self.model_id = Path(llm.path).name
+        self.model_ids = self.names.served(llm.path)
+        self.model_id = self.model_ids[0]
         self.scheduler = self.metrics.scheduler = Scheduler(llm.new_engine(self.parallel), observer=self.metrics)
         self.llm = llm
 
@@ -70,10 +74,9 @@ class ServerState:
         return self.llm, self.scheduler
 
     def check_model(self, name: str | None) -> None:
-        """Clients name the model they want: its id, or the id without extension. A path is not a
-        name (accepting it would confirm where the file lives)."""
+        """Any name is answered by the one model, unless the names are strict (`ModelNames`)."""
         llm, _ = self.ready()
-        if name and name not in {self.model_id, Path(llm.path).stem}:
+        if not self.names.accepts(name, llm.path):
             raise APIError(404, f"model {name!r} not found (this server runs {self.model_id!r})", param="model",
                            code="model_not_found")
 
@@ -103,6 +106,7 @@ class ServerState:
             raise APIError(503, "the server is shutting down", type="unavailable_error")
         generation = Generation(scheduler, sequences, on_end=self.live.discard)
         self.live.add(generation)
+        note_generation(generation)
         return generation
 
 
@@ -112,7 +116,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
                max_body_size: int = DEFAULT_MAX_BODY_SIZE,
                watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS, replica: str | None = None,
                max_embedding_tokens: int = DEFAULT_MAX_EMBEDDING_TOKENS, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-               max_body_memory: int = DEFAULT_MAX_BODY_MEMORY) -> FastAPI:
+               max_body_memory: int = DEFAULT_MAX_BODY_MEMORY, model_names: ModelNames = ANY_NAME) -> FastAPI:
     """The server app over `llm` (or a function that loads it), with `parallel` KV-cache slots.
 
     `allowed_hosts`: names the Host header may carry (None: any); `api_keys`: keys a request must
@@ -121,12 +125,13 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
     scheduler finishing a step; `replica`: this app's name among several serving the same model
     (every answer carries it in an x-powerinfer-replica header, and /metrics labels its series with it);
     `max_embedding_tokens`: tokens one /v1/embeddings request may ask for; `body_timeout`: seconds
-    for a request's whole body; `max_body_memory`: bytes of all the bodies being read at once.
+    for a request's whole body; `max_body_memory`: bytes of all the bodies being read at once;
+    `model_names`: the names it serves under, and whether a request naming another is refused.
     """
     if parallel < 1:
         raise PowerInferError("parallel must be >= 1")
     cap_log_values()
-    state = ServerState(parallel, watchdog_seconds)
+    state = ServerState(parallel, watchdog_seconds, model_names)
 
     def load(factory: Callable[[], LLM]) -> None:
         try:
@@ -155,6 +160,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
                        body_timeout=body_timeout, max_body_memory=max_body_memory)
     if replica is not None:  # added last, so outermost: the gate's refusals name the replica too
         app.add_middleware(ReplicaHeader, name=replica)
+    app.add_middleware(RequestLog)  # outermost: refused requests get their line too
     install_handlers(app)
 
     @app.exception_handler(ClientGone)
@@ -177,9 +183,10 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
     @app.get("/v1/models")
     async def models() -> dict:
         llm, _ = state.ready()
-        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.started,
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": state.started,
                                             "owned_by": "powerinfer", "meta": {"n_ctx": llm.n_ctx,
-                                                                               "n_vocab": llm.config.n_vocab}}]}
+                                                                               "n_vocab": llm.config.n_vocab}}
+                                           for name in state.model_ids]}
 
     @app.get("/props")
     async def props() -> dict:
@@ -203,7 +210,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
     @app.post("/tokenize")
     async def tokenize(body: schemas.TokenizeRequest) -> dict:
         llm, _ = state.ready()
-        return {"tokens": await run_in_threadpool(llm.tokenize, body.content, add_bos=body.add_special)}
+        return {"tokens": await run_in_threadpool(llm.tokenize, body.content, add_bos=body.add_special, special=True)}
 
     @app.post("/detokenize")
     async def detokenize(body: schemas.DetokenizeRequest) -> dict:
@@ -214,32 +221,57 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
             if bad is not None:
                 raise APIError(400, f"token id {bad} is out of range (vocabulary of {llm.config.n_vocab})",
                                param="tokens")
-            return llm.detokenize(body.tokens)
+            return llm.detokenize(body.tokens, special=True)
 
         return {"content": await run_in_threadpool(checked_text)}
 
-    async def openai_answer(body: schemas.OpenAIRequest, prepare: Callable[[LLM, Any], Prepared],
+    async def openai_answer(body: schemas.OpenAIRequest, prepare: Callable[[LLM, Any], list[Prepared]],
                             request: Request, chat: bool) -> Response:
         state.check_model(body.model)
         llm, scheduler = state.ready()
         if body.choices > scheduler.n_slots:
             raise APIError(400, f"n={body.choices} is more than the server's {scheduler.n_slots} slots (--parallel)",
                            param="n")
-        prepared = await run_in_threadpool(prepare, llm, body)
-        generation = state.generation(scheduler, prepared.sequences)
-        reply = OpenAIReply(state.model_id, llm.tokenizer, prepared, chat)
+        batch = await run_in_threadpool(prepare, llm, body)  # one per prompt
+        for prepared in batch:
+            if prepared.echo is not None:  # the prompt's logprobs: on the scheduler's thread, which drives the model
+                await asyncio.wrap_future(scheduler.call(lambda _, echo=prepared.echo: echo.score(llm)))
+        replies = joined([OpenAIReply(state.model_id, llm.tokenizer, prepared, chat) for prepared in batch])
+        # Generations start only when consumed: one that never runs never joins the live set.
+        starts = [lambda prepared=prepared: state.generation(scheduler, prepared.sequences) for prepared in batch]
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return streaming(openai_stream(reply, generation, include_usage))
-        return JSONResponse(reply.whole(await generation.result(request)))
+            return streaming(openai_stream(replies, starts, include_usage))
+
+        async def whole(reply: OpenAIReply, start: Callable[[], Generation]) -> dict:
+            return reply.whole(await start().result(request))
+
+        tasks = [asyncio.ensure_future(whole(reply, start)) for reply, start in zip(replies, starts)]
+        try:
+            return JSONResponse(merged(await asyncio.gather(*tasks)))
+        finally:  # one failed: the others stop too
+            for task in tasks:
+                task.cancel()
 
     @app.post("/v1/completions")
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
-        return await openai_answer(body, prepare_completion, request, chat=False)
+        return await openai_answer(body, prepare_completions, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatRequest, request: Request) -> Response:
-        return await openai_answer(body, prepare_chat, request, chat=True)
+        return await openai_answer(body, lambda llm, chat: [prepare_chat(llm, chat)], request, chat=True)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        chat = body.chat_request()
+        state.check_model(chat.model)
+        llm, scheduler = state.ready()
+        prepared = await run_in_threadpool(prepare_chat, llm, chat)
+        reply, shape = OpenAIReply(state.model_id, llm.tokenizer, prepared, chat=True), ResponseShape(body, state.model_id)
+        start = lambda: state.generation(scheduler, prepared.sequences)  # noqa: E731
+        if chat.stream:
+            return streaming(responses_stream(shape, reply, start))
+        return JSONResponse(shape.whole(reply.whole(await start().result(request))))
 
     @app.post("/v1/embeddings")
     async def embeddings(body: schemas.EmbeddingRequest, request: Request) -> dict:

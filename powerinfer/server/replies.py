@@ -3,9 +3,10 @@ Python API)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from powerinfer.api.replies import OpenAIReply
+from powerinfer.api.replies import OpenAIReply, merged_usage_chunk
+from powerinfer.api.responses import ResponseShape
 from powerinfer.runtime.sequence import Completion, GenerationSequence
 from powerinfer.server.generation import Generation, sse, sse_error
 
@@ -44,16 +45,34 @@ async def llama_stream(generation: Generation, model: str) -> AsyncIterator[str]
             yield sse({"content": event.text, "stop": False})
 
 
-async def openai_stream(reply: OpenAIReply, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
-    """An OpenAI answer as server-sent events, ending with [DONE] (or an error event)."""
-    for chunk in reply.opening():
-        yield sse(chunk)
-    async for event in generation.events():
+async def openai_stream(replies: list[OpenAIReply], starts: list[Callable[[], Generation]],
+                        include_usage: bool) -> AsyncIterator[str]:
+    """An OpenAI answer as server-sent events, ending with [DONE] (or an error event); a batch's
+    prompts one after the other, each generation started (`starts`) when its turn comes."""
+    for reply, start in zip(replies, starts):
+        for chunk in reply.opening():
+            yield sse(chunk)
+        async for event in start().events():
+            if event.error is not None:
+                yield sse_error(event.error)
+                return
+            for chunk in reply.chunks(event):
+                yield sse(chunk)
+    if include_usage:
+        yield sse(merged_usage_chunk(replies))
+    yield sse("[DONE]")
+
+
+async def responses_stream(shape: ResponseShape, reply: OpenAIReply, start: Callable[[], Generation]) -> AsyncIterator[str]:
+    """A Responses API answer as its events (an error event if generation fails)."""
+    for event in shape.start():
+        yield sse(event)
+    async for event in start().events():
         if event.error is not None:
             yield sse_error(event.error)
             return
         for chunk in reply.chunks(event):
-            yield sse(chunk)
-    if include_usage:
-        yield sse(reply.usage_chunk())
-    yield sse("[DONE]")
+            for out in shape.events(chunk):
+                yield sse(out)
+    for out in shape.finish(reply.usage_chunk()["usage"]):
+        yield sse(out)

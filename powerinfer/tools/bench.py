@@ -19,8 +19,9 @@ from datetime import UTC, datetime
 
 import torch
 
-from powerinfer import __version__
+from powerinfer.build_info import commit
 from powerinfer.llm import LLM
+from powerinfer.ops import native
 
 
 @dataclass(frozen=True)
@@ -114,11 +115,18 @@ class BenchSetup:
     n_threads: int
     n_gpu_layers: int
     weight_bytes_per_token: int
+    sparsity: str  # ours: off, predictors or oracle (llama-bench has no such field)
 
     @classmethod
     def of(cls, llm: LLM, n_gpu_layers: int) -> BenchSetup:
         return cls(str(llm.path), f"{llm.config.name} {llm.quant_label}", llm.file_size, llm.n_params,
-                   torch.get_num_threads(), n_gpu_layers, llm.model.weight_bytes_per_token)
+                   torch.get_num_threads(), n_gpu_layers, llm.model.weight_bytes_per_token, llm.sparsity)
+
+
+def backend_name() -> str:
+    """What ran the kernels: the native instruction set (avx512, avx2, scalar), else plain torch."""
+    ops = native.load()
+    return "CPU (torch)" if ops is None else f"CPU ({ops.isa()})"
 
 
 def _cpu_name() -> str:
@@ -132,21 +140,22 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
-def record(setup: BenchSetup, result: BenchResult) -> dict:
+def record(setup: BenchSetup, result: BenchResult, backend: str) -> dict:
     """One llama-bench JSON record (its field names; the fields that describe llama.cpp's own
     backends and options are left out)."""
     samples_ns = [round(s * 1e9) for s in result.seconds]
     return {
-        "build_commit": __version__,
+        "build_commit": commit(),
         "cpu_info": _cpu_name(),
         "gpu_info": torch.cuda.get_device_name() if torch.cuda.is_available() else "",
-        "backends": "CPU",
+        "backends": backend,
         "model_filename": setup.model_filename,
         "model_type": setup.model_type,
         "model_size": setup.model_size,
         "model_n_params": setup.model_n_params,
         "n_threads": setup.n_threads,
         "n_gpu_layers": setup.n_gpu_layers,
+        "sparsity": setup.sparsity,
         "n_prompt": result.test.n_prompt,
         "n_gen": result.test.n_gen,
         "n_depth": 0,
@@ -165,19 +174,19 @@ class Report:
 
     SAMPLE_FIELDS = ("samples_ns", "samples_ts")  # JSON only, as in llama-bench's CSV
 
-    def __init__(self, fmt: str, setup: BenchSetup, write: Callable[[str], None], backend: str = "CPU (torch)"):
-        self.format, self.setup, self.write, self.backend = fmt, setup, write, backend
+    def __init__(self, fmt: str, write: Callable[[str], None], backend: str):
+        self.format, self.write, self.backend = fmt, write, backend
         self.records: list[dict] = []
 
-    def add(self, result: BenchResult) -> None:
-        rec = record(self.setup, result)
+    def add(self, setup: BenchSetup, result: BenchResult) -> None:
+        rec = record(setup, result, self.backend)
         first = not self.records
         self.records.append(rec)
         if self.format == "md":
             if first:
-                self.write("| model | size | params | backend | threads | test | t/s | GB/s |\n"
-                           "| --- | ---: | ---: | --- | ---: | --- | ---: | ---: |\n")
-            self.write(self._markdown_row(result) + "\n")
+                self.write("| model | size | params | backend | threads | sparsity | test | t/s | GB/s |\n"
+                           "| --- | ---: | ---: | --- | ---: | --- | --- | ---: | ---: |\n")
+            self.write(self._markdown_row(setup, result) + "\n")
         elif self.format == "jsonl":
             self.write(json.dumps(rec) + "\n")
         elif self.format == "csv":
@@ -187,12 +196,11 @@ class Report:
         if self.format == "json":
             self.write(json.dumps(self.records, indent=2) + "\n")
 
-    def _markdown_row(self, r: BenchResult) -> str:
-        s = self.setup
+    def _markdown_row(self, s: BenchSetup, r: BenchResult) -> str:
         # Weights are read once per forward pass: per token when generating, per batch for prompts.
         gbps = f"{r.mean * s.weight_bytes_per_token / 1e9:.1f}" if r.test.n_gen else ""
         return (f"| {s.model_type} | {s.model_size / 2**20:.2f} MiB | {s.model_n_params / 1e6:.2f} M | {self.backend} "
-                f"| {s.n_threads} | {r.test.name} | {r.mean:.2f} ± {r.std:.2f} | {gbps} |")
+                f"| {s.n_threads} | {s.sparsity} | {r.test.name} | {r.mean:.2f} ± {r.std:.2f} | {gbps} |")
 
     def _csv(self, rec: dict, header: bool) -> str:
         fields = [k for k in rec if k not in self.SAMPLE_FIELDS]
