@@ -9,6 +9,8 @@ import torch
 from powerinfer import LLM
 from powerinfer.hub import GEMMA3_270M_Q4_K_M, pull_split_model
 
+from helpers import activation_rounding_factor
+
 
 @pytest.mark.slow
 def test_gemma3_270m_q4_k_m_argmax_agrees_with_transformers(wikitext_valid):
@@ -24,4 +26,5 @@ def test_gemma3_270m_q4_k_m_argmax_agrees_with_transformers(wikitext_valid):
     with torch.inference_mode():
         expected = reference(torch.tensor([ids])).logits[0]
     agreement = (ours.argmax(-1) == expected.argmax(-1)).float().mean().item()
-    assert agreement >= 0.99, agreement  # measured 255/256 (activations rounded to bfloat16 in our kernels)
+    # measured 255/256 with activations rounded to bfloat16 in our kernels, 248/256 with AVX2's int8
+    assert agreement >= (0.95 if activation_rounding_factor() > 1 else 0.99), agreement
