@@ -83,6 +83,12 @@ class Request:
         return self.sequences[0]
 
 
+def one_slice(fn: Callable[..., Any], *args: Any) -> Generator[int, int, Any]:
+    """Work that is short (scoring one prompt) as a sliced call's steps: all of it in its first slice."""
+    yield 0
+    return fn(*args)
+
+
 class SlicedCall:
     """Work the worker runs in slices (see `Scheduler.call_sliced`); `future` holds its result or
     error. `cancel` may be called from any thread: the work stops before its next slice."""

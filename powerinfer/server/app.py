@@ -28,7 +28,7 @@ from powerinfer.api.responses import ResponseShape, ResponsesRequest
 from powerinfer.errors import PowerInferError
 from powerinfer.llm import LLM
 from powerinfer.logs import cap_log_values
-from powerinfer.runtime.scheduler import Scheduler
+from powerinfer.runtime.scheduler import Scheduler, one_slice
 from powerinfer.runtime.sequence import GenerationSequence
 from powerinfer.server.errors import APIError, install_handlers
 from powerinfer.server.gate import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_MEMORY, DEFAULT_MAX_BODY_SIZE, RequestGate
@@ -235,7 +235,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
         batch = await run_in_threadpool(prepare, llm, body)  # one per prompt
         for prepared in batch:
             if prepared.echo is not None:  # the prompt's logprobs: on the scheduler's thread, which drives the model
-                await asyncio.wrap_future(scheduler.call(lambda _, echo=prepared.echo: echo.score(llm)))
+                await sliced_result(scheduler.call_sliced(lambda _, echo=prepared.echo: one_slice(echo.score, llm)), request)
         replies = joined([OpenAIReply(state.model_id, llm.tokenizer, prepared, chat) for prepared in batch])
         # Generations start only when consumed: one that never runs never joins the live set.
         starts = [lambda prepared=prepared: state.generation(scheduler, prepared.sequences) for prepared in batch]
