@@ -224,18 +224,26 @@ def _check_logprobs(client, model_id, default_llm):
 
 
 def test_penalties_and_logit_bias_follow_openai_formula(client, model_id, default_llm):
-    """Greedy with OpenAI's penalties equals a decode loop over LLM.logits applying the formula
+    """Greedy with OpenAI's penalties equals a decode loop over the engine's logits applying the formula
     OpenAI documents: logit - count * frequency_penalty - (count > 0) * presence_penalty + bias."""
     prompt, presence, frequency, bias = "List: apple, apple, apple,", 0.7, 0.9, {11: -5.0}
     ids = default_llm.tokenize(prompt)
     generated: list[int] = []
+    engine = default_llm.engine  # prefill, then decode steps, as the server computes them
+    engine.release(0)
+    row = engine.prefill(0, ids)
     for _ in range(8):
-        logits = torch.from_numpy(default_llm.logits(ids + generated)[-1]).clone()
+        logits = torch.as_tensor(row).reshape(-1).clone()
         for token, value in bias.items():
             logits[token] += value
         for token in set(generated):
             logits[token] -= generated.count(token) * frequency + presence
         generated.append(int(torch.argmax(logits)))
+        if generated[-1] in default_llm.tokenizer.eog_ids:  # the server stops there, the token unwritten
+            generated.pop()
+            break
+        row = engine.decode([(0, generated[-1])])[0]
+    engine.release(0)
     answer = client.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0,
                                        presence_penalty=presence, frequency_penalty=frequency,
                                        logit_bias={str(k): v for k, v in bias.items()}, logprobs=0)
