@@ -11,6 +11,8 @@ import torch
 
 from powerinfer import LLM
 
+from helpers import activation_rounding_factor
+
 
 @pytest.fixture(scope="module")
 def passage_ids(smollm2_reference, wikitext_valid) -> list[int]:
@@ -39,12 +41,14 @@ def test_float32_logits_equal_transformers(float32_llm, passage_ids, reference_l
 
 
 def test_fast_logits_close_to_transformers(default_llm, passage_ids, reference_logits):
-    """bfloat16 activations in the int4 kernel: close, and closer than llama.cpp's 8-bit activations
-    (measured on this passage: llama.cpp max |diff| 2.7, argmax agreement 96.9 %; docs/accuracy.md)."""
+    """bfloat16 activations in our kernels: close, and closer than llama.cpp's 8-bit activations
+    (measured on this passage: llama.cpp max |diff| 2.7, argmax agreement 96.9 %; docs/accuracy.md);
+    AVX2's 8-bit activations as close as llama.cpp's (max 2.4, mean 0.17)."""
     ours = torch.from_numpy(default_llm.logits(passage_ids))
     diff = (ours - reference_logits).abs()
     agreement = (ours.argmax(-1) == reference_logits.argmax(-1)).float().mean()
-    assert diff.max() < 1.0 and diff.mean() < 0.1
+    factor = activation_rounding_factor()
+    assert diff.max() < 1.0 * factor and diff.mean() < 0.1 * factor
     assert agreement >= 0.95
 
 
