@@ -29,6 +29,7 @@ from powerinfer.placement.costs import dense_parts, model_shape
 from powerinfer.placement.gpu_index import index_path, write_gpu_index
 from powerinfer.placement.solver import Plan
 from powerinfer.runtime.engine import Engine
+from powerinfer.server.connections import ConnectionLimits, server_config
 
 from conftest import quantized_rows
 
@@ -155,12 +156,15 @@ PARALLEL = 4  # the KV-cache slots of the test server (conftest's `server` fixtu
 
 
 class ServerThread:
-    """uvicorn serving `app` on a free loopback port from a background thread."""
+    """uvicorn serving `app` on a free loopback port from a background thread; with `limits`, under
+    our connection limits (server_config), as `serve` runs it."""
 
-    def __init__(self, app):
+    def __init__(self, app, limits: ConnectionLimits | None = None):
         sock = listen("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.address = sock.getsockname()[:2]
+        self.url = f"http://127.0.0.1:{self.address[1]}"
+        config = uvicorn.Config(app, log_level="warning") if limits is None else server_config(app, limits, log_level="warning")
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -15,7 +15,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +22,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
@@ -31,17 +29,16 @@ from starlette.testclient import TestClient
 from powerinfer import LLM
 from powerinfer.api.schemas import MAX_TOKEN_IDS
 from powerinfer.cli import is_utf8
-from powerinfer.commands.serve import listen
 from powerinfer.errors import ModelFileError
 from powerinfer.gguf import open_gguf
 from powerinfer.logs import MAX_LOGGED_CHARS
 from powerinfer.runtime.constraint import GrammarError, json_schema_grammar
 from powerinfer.server.app import create_app
-from powerinfer.server.connections import ConnectionLimits, server_config
+from powerinfer.server.connections import ConnectionLimits
 from powerinfer.tokenizer import Tokenizer
 
 from conftest import convert_each, make_tiny_llama
-from helpers import assert_one_line_error, powerinfer
+from helpers import ServerThread, assert_one_line_error, powerinfer
 
 
 @pytest.mark.parametrize("keys", [["--api-key", ""], ["--api-key", "good", "--api-key", "  "]])
@@ -73,20 +70,11 @@ def long_llm(tmp_path_factory, default_model) -> LLM:
     return LLM(convert_each(folder, ("q8_0",))["q8_0"], n_ctx=N_CTX)
 
 
-class Serving:
-    """uvicorn serving `app` on a free loopback port from a thread, with our connection limits."""
+class Serving(ServerThread):
+    """A ServerThread under our connection limits, with the scheduler's state and a context manager."""
 
     def __init__(self, app, limits: ConnectionLimits | None = None):
-        sock = listen("127.0.0.1", 0)
-        self.address = sock.getsockname()[:2]
-        self.url = f"http://127.0.0.1:{self.address[1]}"
-        self.server = uvicorn.Server(server_config(app, limits or ConnectionLimits(), log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
+        super().__init__(app, limits or ConnectionLimits())
 
     @property
     def scheduler(self):
@@ -102,8 +90,7 @@ class Serving:
         return self
 
     def __exit__(self, *_) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self.stop()
 
 
 def never_ending(llm: LLM) -> dict:
