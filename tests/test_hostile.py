@@ -15,6 +15,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +34,7 @@ from powerinfer.errors import ModelFileError
 from powerinfer.gguf import open_gguf
 from powerinfer.logs import MAX_LOGGED_CHARS
 from powerinfer.runtime.constraint import GrammarError, json_schema_grammar
+from powerinfer.runtime.scheduler import SlicedCall
 from powerinfer.server.app import create_app
 from powerinfer.server.connections import ConnectionLimits
 from powerinfer.tokenizer import Tokenizer
@@ -158,12 +160,36 @@ def test_embeddings_run_beside_generation(long_llm):
     assert np.allclose(vectors, long_llm.embed(inputs), atol=1e-4)  # slicing changes nothing but rounding
 
 
-def test_embedding_is_cancelled_when_its_client_leaves(long_llm):
+def test_embedding_is_cancelled_when_its_client_leaves(long_llm, monkeypatch):
+    """The embedding's first slice is held until the server cancels the call (its client left
+    after 1 s): a fast machine cannot finish it first. It then stops without running to its end."""
+    cancelled, finished = threading.Event(), []
+    cancel, embedding_steps = SlicedCall.cancel, long_llm.embedding_steps
+
+    def cancel_and_tell(call: SlicedCall) -> None:
+        cancel(call)
+        cancelled.set()
+
+    def held_embedding_steps(token_lists):
+        steps = embedding_steps(token_lists)
+        budget = yield next(steps)
+        cancelled.wait(30)
+        while True:
+            try:
+                budget = yield steps.send(budget)
+            except StopIteration as end:
+                finished.append(True)
+                return end.value
+
+    monkeypatch.setattr(SlicedCall, "cancel", cancel_and_tell)
+    monkeypatch.setattr(long_llm, "embedding_steps", held_embedding_steps)
     with Serving(create_app(long_llm, parallel=1)) as serving:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{serving.url}/v1/embeddings", json={"input": embedding_input(4, 4096)},
                        timeout=httpx.Timeout(60, read=1))
-        serving.wait_idle(2)  # alone it runs for several seconds more
+        assert cancelled.wait(10), "the server never cancelled the embedding"
+        serving.wait_idle(10)
+    assert not finished, "the embedding ran to its end after its client left"
 
 
 def test_embedding_token_budget(long_llm):
