@@ -1,0 +1,1 @@
+"""Input-sparse (TEAL-style) computation: sites, calibration, allocation."""

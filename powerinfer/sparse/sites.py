@@ -1,0 +1,131 @@
+"""The four input-sparse sites of a block, and a way to run a model with their inputs masked.
+
+A site is the input of one (fused) linear of a block: per token, the input channels whose
+magnitude is at or under the site's per-channel threshold are skipped (TEAL). This module names the
+sites (one place), finds their linears in a loaded model, and wraps those linears so that the
+torch path computes exactly what an input-sparse kernel computes: the dense product of the
+masked input ("masked dense").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from powerinfer.errors import UnsupportedModelError
+from powerinfer.models.ffn import DenseFFN
+from powerinfer.models.layers import Block
+from powerinfer.ops.linear import Linear
+
+# kind -> (the block's part, the part's attribute holding the linear whose input the site is)
+SITE_PARTS: dict[str, tuple[str, str]] = {
+    "attn_in": ("attention", "qkv"),  # fused q/k/v
+    "attn_out": ("attention", "output"),  # o
+    "ffn_in": ("ffn", "up"),  # fused gate/up
+    "ffn_down": ("ffn", "down"),
+}
+SITE_KINDS = tuple(SITE_PARTS)
+
+
+def site_name(layer: int, kind: str) -> str:
+    """The stable name of a site, e.g. `blk.3.ffn_down`."""
+    return f"blk.{layer}.{kind}"
+
+
+def selected(x: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """x with the channels it skips set to 0: channel i is read when |x_i| > thresholds[i] (so a
+    threshold of 0 reads every non-zero channel, which is the dense product)."""
+    return x * (x.abs() > thresholds)
+
+
+@dataclass(frozen=True, eq=False)
+class Site:
+    """Input `kind` of block `layer` (one of SITE_KINDS)."""
+
+    layer: int
+    kind: str
+    block: Block
+
+    @property
+    def name(self) -> str:
+        return site_name(self.layer, self.kind)
+
+    @property
+    def linear(self) -> Linear:
+        part, attribute = SITE_PARTS[self.kind]
+        return getattr(getattr(self.block, part), attribute)
+
+    def put(self, linear: Linear) -> None:
+        """Make `linear` the site's linear."""
+        part, attribute = SITE_PARTS[self.kind]
+        setattr(getattr(self.block, part), attribute, linear)
+
+    @property
+    def in_features(self) -> int:
+        return self.linear.in_features
+
+    @property
+    def weight_count(self) -> int:
+        """Weights of the site's linear: what skipping all its channels saves, in weights."""
+        return self.linear.in_features * self.linear.out_features
+
+
+def model_sites(model) -> list[Site]:
+    """Every site of every block of `model`, in layer order, then SITE_KINDS order."""
+    sites = []
+    for layer, block in enumerate(model.blocks):
+        if not isinstance(block, Block) or not isinstance(block.ffn, DenseFFN):
+            raise UnsupportedModelError(f"layer {layer}: input sparsity needs dense attention and FFN blocks "
+                                        f"(found {type(block.ffn).__name__}); a ReLU model uses the predictor flow")
+        sites.extend(Site(layer, kind, block) for kind in SITE_KINDS)
+    return sites
+
+
+class TappedLinear(Linear):
+    """A linear whose input goes through `tap` first (a mask, or an observer that returns it)."""
+
+    def __init__(self, linear: Linear, tap: Callable[[torch.Tensor], torch.Tensor]):
+        self.linear, self.tap = linear, tap
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.tap(x))
+
+    @property
+    def nbytes(self) -> int:
+        return self.linear.nbytes
+
+
+@contextmanager
+def tapped(sites: Sequence[Site], taps: Mapping[str, Callable[[torch.Tensor], torch.Tensor]]) -> Iterator[None]:
+    """Within the block, the sites named in `taps` run their input through their tap, on the torch
+    path (the native decode step reads the linears' weights directly, so it is turned off and put
+    back afterwards)."""
+    chosen = [s for s in sites if s.name in taps]
+    blocks = {id(s.block): s.block for s in chosen}
+    steps = {key: block.step for key, block in blocks.items() if hasattr(block, "step")}
+    originals = [s.linear for s in chosen]
+    try:
+        for block in blocks.values():
+            if hasattr(block, "step"):
+                block.step = None
+        for site in chosen:
+            site.put(TappedLinear(site.linear, taps[site.name]))
+        yield
+    finally:
+        for site, linear in zip(chosen, originals):
+            site.put(linear)
+        for key, step in steps.items():
+            blocks[key].step = step
+
+
+def masked(sites: Sequence[Site], thresholds: Mapping[str, torch.Tensor]) -> contextmanager:
+    """`tapped` with each named site's input masked by its per-channel thresholds (float32 [in])."""
+    return tapped(sites, {name: _mask(t) for name, t in thresholds.items()})
+
+
+def _mask(thresholds: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: selected(x, thresholds.to(x.device))

@@ -1,0 +1,214 @@
+"""Calibration, thresholds and allocation of TEAL-style input sparsity (powerinfer/sparse/).
+
+The masked model is checked against transformers with the same masks applied by hooks on its
+linears; allocations against their targets, measured on the calibration text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from powerinfer.errors import PowerInferError
+from powerinfer.gguf import open_gguf
+from powerinfer.models import load_model
+from powerinfer.models.ffn import FFNOptions
+from powerinfer.ops.linear import DenseLinear
+from powerinfer.runtime.engine import Engine
+from powerinfer.sparse.allocate import (
+    PPL_SEARCH_STEPS,
+    Allocator,
+    BlockCurve,
+    BlockProbe,
+    block_curves,
+    calibration_perplexity,
+    global_sparsities,
+)
+from powerinfer.sparse.calibrate import calibrate, calibration_chunks
+from powerinfer.sparse.sites import SITE_KINDS, masked, model_sites, tapped
+
+from conftest import convert_each, make_tiny_llama
+from tiny_architectures import N_CTX, VOCAB, make
+
+CHUNK = N_CTX
+# transformers' module names of each site's linears
+HF_SITES = {"attn_in": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "attn_out": ("self_attn.o_proj",),
+            "ffn_in": ("mlp.gate_proj", "mlp.up_proj"), "ffn_down": ("mlp.down_proj",)}
+
+
+@pytest.fixture(scope="module", params=["swiglu", "geglu"])
+def tiny(request, tmp_path_factory):
+    """(transformers model, f32 GGUF) of a tiny SwiGLU llama or GeGLU Gemma 3."""
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "swiglu":
+        hf = make_tiny_llama(folder, "silu", overrides=dict(vocab_size=VOCAB))
+    else:
+        hf = make("gemma3")
+        hf.save_pretrained(folder)
+    return hf, convert_each(folder, ("f32",))["f32"]
+
+
+def load(path: Path):
+    return load_model(open_gguf(path), N_CTX, FFNOptions(sparsity="off", float32=True))
+
+
+def random_ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny):
+    model = load(tiny[1])
+    return model, calibrate(model, calibration_chunks(random_ids(2048), None, chunk=CHUNK), probe_chunks=2,
+                            progress=False)
+
+
+@pytest.fixture(scope="module")
+def allocators(calibrated):
+    """An Allocator per criterion, shared so that each measures its greedy curves once."""
+    return {c: Allocator(calibrated[1], c, progress=False) for c in ("teal", "wina")}
+
+
+def logits(model, ids: list[int]) -> torch.Tensor:
+    return Engine(model, N_CTX).all_logits(ids)
+
+
+def test_threshold_zero_equals_dense(calibrated, allocators):
+    model, calibration = calibrated
+    ids = random_ids(N_CTX, seed=1)
+    dense = logits(model, ids)
+    zeros = {s.name: torch.zeros(s.in_features) for s in calibration.sites}
+    with masked(calibration.sites, zeros):
+        assert torch.equal(logits(model, ids), dense)
+    allocation = allocators["teal"].allocate(0.5, "uniform")
+    with masked(calibration.sites, allocation.thresholds):
+        assert not torch.allclose(logits(model, ids), dense, atol=1e-3)  # the masks do act
+
+
+@pytest.mark.parametrize("criterion", ["teal", "wina"])
+def test_masked_model_equals_transformers_with_the_same_masks(tiny, calibrated, allocators, criterion):
+    hf, _ = tiny
+    model, calibration = calibrated
+    allocation = allocators[criterion].allocate(0.4, "uniform")
+    hooks = []
+    for layer, hf_layer in enumerate(hf.model.layers):
+        for kind, names in HF_SITES.items():
+            t = allocation.sites[f"blk.{layer}.{kind}"].thresholds
+            for name in names:
+                module = hf_layer.get_submodule(name)
+                hooks.append(module.register_forward_pre_hook(lambda m, args, t=t: (args[0] * (args[0].abs() > t),)))
+    ids = random_ids(N_CTX - 8, seed=2)
+    try:
+        with torch.inference_mode():
+            expected = hf(torch.tensor([ids])).logits[0].float()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    with masked(calibration.sites, allocation.thresholds):
+        ours = logits(model, ids)
+    span = (expected.max() - expected.min()).item()
+    assert (ours - expected).abs().max().item() <= 1e-3 * span
+
+
+def skipped_fraction(calibration, thresholds) -> float:
+    """The fraction of the block linears' weights not read over the calibration chunks, counted."""
+    skipped = dict.fromkeys(thresholds, 0.0)
+    rows = dict.fromkeys(thresholds, 0)
+
+    def counter(name):
+        def count(x):
+            skipped[name] += float((x.abs() <= thresholds[name]).float().mean(-1).sum())
+            rows[name] += x.shape[0]
+            return x
+        return count
+
+    with tapped(calibration.sites, {n: counter(n) for n in thresholds}):
+        for chunk in calibration.chunks:
+            Engine(calibration.model, N_CTX).all_logits(chunk)
+    weights = {s.name: s.weight_count for s in calibration.sites}
+    return sum(skipped[n] / rows[n] * weights[n] for n in thresholds) / sum(weights.values())
+
+
+@pytest.mark.parametrize("method", ["uniform", "blockwise", "global"])
+def test_allocation_hits_its_target(calibrated, allocators, method):
+    _, calibration = calibrated
+    for target in (0.3, 0.6):
+        allocation = allocators["wina"].allocate(target, method)
+        assert allocation.sparsity == pytest.approx(target, abs=0.005)
+        assert skipped_fraction(calibration, allocation.thresholds) == pytest.approx(target, abs=0.02)
+
+
+def test_allocation_is_deterministic(calibrated, allocators):
+    allocation = allocators["wina"].allocate(0.6)
+    again = Allocator(calibrated[1], "wina", progress=False).allocate(0.6)
+    assert all(torch.equal(again.thresholds[n], t) for n, t in allocation.thresholds.items())
+
+
+def test_allocation_has_less_block_error_than_uniform(calibrated, allocators):
+    """At the same model-level sparsity, the summed relative block errors the greedy minimizes are
+    lower than uniform thresholds give."""
+    model, calibration = calibrated
+    assert all(c.errors[0] == 0.0 and len(c.points) == 1 + 4 * 9 for c in allocators["wina"].curves)
+    cache = model.new_cache(N_CTX, 1, "f32")
+    probes = [BlockProbe(calibration, layer, cache) for layer in range(len(model.blocks))]
+    total_error = {}
+    for method in ("uniform", "global"):
+        allocation = allocators["wina"].allocate(0.5, method)
+        total_error[method] = sum(p.error(allocation.thresholds) for p in probes)
+    assert len({round(a.sparsity, 3) for a in allocation.sites.values()}) > 1
+    assert total_error["global"] < total_error["uniform"]
+
+
+def test_greedy_prefers_the_site_whose_masking_costs_less(tiny):
+    """Block 0's attention output projection zeroed: skipping either attention input costs
+    nothing, so the greedy takes all their steps before any of the FFN's."""
+    model = load(tiny[1])
+    site = next(s for s in model_sites(model) if s.name == "blk.0.attn_out")
+    site.put(DenseLinear(torch.zeros(site.linear.out_features, site.linear.in_features)))
+    calibration = calibrate(model, calibration_chunks(random_ids(1024), None, chunk=CHUNK), progress=False)
+    curve = block_curves(calibration, "teal", progress=False)[0]
+    assert curve.points[18] == {"attn_in": pytest.approx(0.9), "attn_out": pytest.approx(0.9), "ffn_in": 0.0,
+                                "ffn_down": 0.0}
+    assert curve.errors[18] == 0.0 and curve.errors[19] > 0.0
+
+
+def test_global_greedy_spends_the_target_where_error_is_cheapest():
+    """Two blocks of equal weights: steps of block 1 cost a tenth of block 0's, so a target that
+    block 1 alone can meet leaves block 0 dense."""
+    weights = dict.fromkeys(SITE_KINDS, 100)
+    points = [{k: 0.1 * min(max(j - i * 9, 0), 9) for i, k in enumerate(SITE_KINDS)} for j in range(37)]
+    steep = BlockCurve(0, weights, points, [0.01 * j for j in range(37)])
+    flat = BlockCurve(1, weights, points, [0.001 * j for j in range(37)])
+    sparsities = global_sparsities([steep, flat], 0.25)
+    assert all(sparsities[f"blk.0.{k}"] == 0 for k in SITE_KINDS)
+    assert sum(sparsities[f"blk.1.{k}"] for k in SITE_KINDS) / 4 == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("ids", [[], [1], random_ids(1000)])
+def test_too_short_calibration_text_is_refused(ids):
+    with pytest.raises(PowerInferError, match="calibration text too short"):
+        calibration_chunks(ids, None)
+
+
+def test_bad_targets_are_refused(calibrated, allocators):
+    with pytest.raises(PowerInferError, match="target sparsity"):
+        allocators["teal"].allocate(1.5, "uniform")
+    with pytest.raises(PowerInferError, match="unknown allocation method"):
+        allocators["teal"].allocate(0.5, "random")
+    with pytest.raises(PowerInferError, match="unknown selection criterion"):
+        Allocator(calibrated[1], "magnitude")
+    with pytest.raises(PowerInferError, match="perplexity increase"):
+        allocators["teal"].within_perplexity(0.5)
+
+
+def test_max_perplexity_increase_finds_the_largest_target_within_it(calibrated, allocators):
+    _, calibration = calibrated
+    allocator = allocators["wina"]
+    chunks = calibration.chunks[:2]
+    dense = calibration_perplexity(calibration, None, chunks)
+    allocation = allocator.within_perplexity(1.02, chunks=2)
+    assert calibration_perplexity(calibration, allocation, chunks) <= 1.02 * dense
+    assert 0 < allocation.target < 0.9
+    above = allocator.allocate(allocation.target + 0.9 / 2**PPL_SEARCH_STEPS)  # where the bisection stopped
+    assert calibration_perplexity(calibration, above, chunks) > 1.02 * dense
