@@ -10,7 +10,7 @@ masked input ("masked dense").
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -122,7 +122,7 @@ def tapped(sites: Sequence[Site], taps: Mapping[str, Callable[[torch.Tensor], to
             blocks[key].step = step
 
 
-def masked(sites: Sequence[Site], thresholds: Mapping[str, torch.Tensor]) -> contextmanager:
+def masked(sites: Sequence[Site], thresholds: Mapping[str, torch.Tensor]) -> AbstractContextManager[None]:
     """`tapped` with each named site's input masked by its per-channel thresholds (float32 [in])."""
     return tapped(sites, {name: _mask(t) for name, t in thresholds.items()})
 
