@@ -57,7 +57,7 @@ def measure_model(name: str, n_chunks: int, args) -> tuple[str, list[tuple]]:
         for target in args.targets:
             rows.append(measure(f"{args.criterion} {method} {target:.0%}", allocator.allocate(target, method)))
     if args.max_ppl_increase:
-        chosen = allocator.within_perplexity(args.max_ppl_increase, args.method)
+        chosen = allocator.within_perplexity(args.max_ppl_increase, args.method, chunks=args.search_chunks)
         rows.append(measure(f"{args.criterion} {args.method} max_ppl_increase {args.max_ppl_increase} "
                             f"({chosen.target:.1%})", chosen))
     return f"{path.name} ({len(test)} chunks)", rows
@@ -116,11 +116,13 @@ def main() -> int:
                         help="smollm2, gemma3-270m or a GGUF path (repeatable; default: both named models)")
     parser.add_argument("--chunks", type=lambda s: [int(c) for c in s.split(",")], default=[100],
                         help="chunks of test.txt, one number for every model or one per --model (default: 100)")
-    parser.add_argument("--targets", type=lambda s: [float(t) for t in s.split(",")], default=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7],
+    parser.add_argument("--targets", type=lambda s: [float(t) for t in s.split(",") if t], default=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7],
                         help="model-wide target sparsities (comma-separated)")
     parser.add_argument("--method", default="global", choices=("blockwise", "global"), help="the allocation compared to uniform")
     parser.add_argument("--criterion", default="wina", choices=("teal", "wina"))
     parser.add_argument("--max-ppl-increase", type=float, default=1.03, help="also the operating point within this factor (0: none)")
+    parser.add_argument("--search-chunks", type=int, default=4,
+                        help="calibration chunks whose perplexity the --max-ppl-increase search measures")
     parser.add_argument("--calibration-tokens", type=int, default=8192)
     parser.add_argument("-t", "--threads", type=int, default=2)
     parser.add_argument("--cache", type=Path, default=None, help="keep each measured row here and reuse it")
@@ -131,9 +133,12 @@ def main() -> int:
     chunks = args.chunks * len(models) if len(args.chunks) == 1 else args.chunks
     if len(chunks) != len(models):
         parser.error("--chunks: one number, or one per --model")
-    results = dict(measure_model(name, n, args) for name, n in zip(models, chunks))
-    write_results(results, args, args.output)
-    plot(results, args, args.plot)
+    results = {}
+    for name, n in zip(models, chunks):  # written after each model: a long run shows its first part early
+        model, rows = measure_model(name, n, args)
+        results[model] = rows
+        write_results(results, args, args.output)
+        plot(results, args, args.plot)
     return 0
 
 

@@ -98,10 +98,6 @@ class Calibration:
     chunks: list[list[int]]
     probe_inputs: list[list[torch.Tensor]]
 
-    @property
-    def tokens(self) -> int:
-        return sum(len(c) for c in self.chunks)
-
 
 def calibration_chunks(ids: Sequence[int], bos_id: int | None, n_tokens: int | None = DEFAULT_TOKENS,
                        chunk: int = DEFAULT_CHUNK) -> list[list[int]]:
