@@ -96,10 +96,11 @@ def plot(results: dict[str, list[tuple]], args, path: Path) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
     for ax, (model, rows) in zip(axes[0], results.items()):
         base = rows[0][4]
-        for method, marker in (("uniform", "o-"), (args.method, "s-")):
+        for method, marker in zip(("uniform", "blockwise", "global"), ("o-", "s-", "^-")):
             points = [(0.0, 1.0)] + sorted((s, ppl / base) for label, m, _, s, ppl, _ in rows
                                            if m == method and "max_ppl" not in label)
-            ax.plot([100 * s for s, _ in points], [r for _, r in points], marker, label=f"{args.criterion} {method}")
+            if len(points) > 1:
+                ax.plot([100 * s for s, _ in points], [r for _, r in points], marker, label=f"{args.criterion} {method}")
         ax.axhline(1.03, color="grey", lw=0.8, ls=":", label="1.03 × dense")
         ax.set_yscale("log")
         ax.set_xlabel("block linear weights not read per token (%)")
