@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import json
 import math
 import os
 import re
@@ -35,6 +36,7 @@ from powerinfer.gguf import open_gguf
 from powerinfer.logs import MAX_LOGGED_CHARS
 from powerinfer.runtime.constraint import GrammarError, json_schema_grammar
 from powerinfer.runtime.scheduler import SlicedCall
+from powerinfer.server import bodies
 from powerinfer.server.app import create_app
 from powerinfer.server.connections import ConnectionLimits
 from powerinfer.tokenizer import Tokenizer
@@ -303,7 +305,75 @@ def test_memory_of_bodies_being_read_is_bounded(quick, caplog):
     assert httpx.post(f"{quick.url}/tokenize", json={"content": "hello"}).status_code == 200
 
 
-# ---------------------------------------------------------------- bodies: work and log lines bounded
+def json_values(value) -> int:
+    """Values in a parsed JSON value as the body budget counts them: the root, each array item,
+    each object key and value."""
+    if isinstance(value, list):
+        return 1 + sum(json_values(item) for item in value)
+    if isinstance(value, dict):
+        return 1 + sum(1 + json_values(item) for item in value.values())
+    return 1
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+                           lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(), inner, max_size=5),
+                           max_leaves=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=JSON_VALUES, indent=st.sampled_from([None, 0, 2]), spaced=st.booleans(), budget=st.integers(1, 60))
+def test_values_are_counted_before_parsing_as_the_parsed_body_counts_them(value, indent, spaced, budget):
+    """The scan over the body's bytes (strings with escaped quotes, commas and brackets inside,
+    empty arrays with spaces) agrees with the count over what the json module parses."""
+    raw = json.dumps(value, indent=indent, ensure_ascii=False).encode()
+    if spaced:  # (inside strings too: their text changes, not the count)
+        raw = raw.replace(b"[]", b"[  ]").replace(b"{}", b"{ }")
+    assert bodies.within_budget(raw, budget) == (json_values(json.loads(raw)) <= budget)
+
+
+def test_a_body_being_parsed_holds_no_other_client(long_llm, monkeypatch):
+    """The parse of a body is held (in the test) until another client has been answered: were it
+    on the event loop, that client would wait for it, and the test would time out."""
+    parsing, answered, decoded = threading.Event(), threading.Event(), bodies.decoded
+
+    def held_decoded(raw: bytes):
+        parsing.set()
+        answered.wait(30)
+        return decoded(raw)
+
+    monkeypatch.setattr(bodies, "decoded", held_decoded)
+    with Serving(create_app(long_llm)) as serving, ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, f"{serving.url}/tokenize", json={"content": "hello"}, timeout=60)
+        assert parsing.wait(30), "the body never reached its parser"
+        assert httpx.get(f"{serving.url}/health", timeout=10).status_code == 200
+        assert not held.done()
+        answered.set()
+        assert held.result().json()["tokens"] == long_llm.tokenize("hello", add_bos=False, special=True)
+
+
+def test_a_flood_of_large_bodies_leaves_other_clients_answered(long_llm):
+    """Eight clients send 8 MB bodies of 2.7 million values each (refused by the values budget:
+    parsed whole, each holds the interpreter for about a second in one call). Meanwhile another
+    client's /health and small /tokenize are answered, each within a tenth of the flood's time
+    (its values are counted first, in short steps)."""
+    flood = b'{"content": "x", "padding": [' + b"{}," * 2_700_000 + b"{}]}"
+    assert len(flood) < 8 * 1024 * 1024
+    with Serving(create_app(long_llm)) as serving, ThreadPoolExecutor(8) as pool:
+        started = time.monotonic()
+        posts = [pool.submit(httpx.post, f"{serving.url}/tokenize", content=flood, timeout=300,
+                             headers={"Content-Type": "application/json"}) for _ in range(8)]
+        waits = []
+        while not all(post.done() for post in posts):
+            asked = time.monotonic()
+            assert httpx.get(f"{serving.url}/health", timeout=60).status_code == 200
+            assert httpx.post(f"{serving.url}/tokenize", json={"content": "hi"}, timeout=60).status_code == 200
+            waits.append(time.monotonic() - asked)
+        flood_seconds = time.monotonic() - started
+        answers = [post.result() for post in posts]
+    assert all(a.status_code == 400 and "524288 JSON values" in a.json()["error"]["message"] for a in answers)
+    assert len(waits) >= 5 and max(waits) < flood_seconds / 10, \
+        f"a client waited up to {max(waits):.2f} s of the flood's {flood_seconds:.1f} s ({len(waits)} asked)"
+
 
 @pytest.fixture(scope="module")
 def client(long_llm):
