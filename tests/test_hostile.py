@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -42,7 +43,7 @@ from powerinfer.server.connections import ConnectionLimits
 from powerinfer.tokenizer import Tokenizer
 
 from conftest import convert_each, make_tiny_llama
-from helpers import ServerThread, assert_one_line_error, powerinfer
+from helpers import ServerThread, assert_one_line_error, powerinfer, serve_command, serving_url
 
 
 @pytest.mark.parametrize("keys", [["--api-key", ""], ["--api-key", "good", "--api-key", "  "]])
@@ -304,6 +305,73 @@ def test_memory_of_bodies_being_read_is_bounded(quick, caplog):
         second.close()
     assert httpx.post(f"{quick.url}/tokenize", json={"content": "hello"}).status_code == 200
 
+
+def memory_of(pid: int) -> dict[str, int]:
+    """A process's memory figures from /proc (VmData: heap, anonymous memory, thread stacks), in bytes."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {name: int(fields[name].split()[0]) * 1024 for name in ("VmData", "VmRSS", "VmHWM")}
+
+
+def slowloris(address: tuple[str, int], seconds: float) -> bytes:
+    """Headers a line every 0.25 s, never finished; what the server sent before closing."""
+    with socket.create_connection(address) as sock:
+        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        deadline = time.monotonic() + seconds
+        with contextlib.suppress(OSError):
+            while time.monotonic() < deadline:
+                sock.sendall(b"X-Slow: yes\r\n")
+                time.sleep(0.25)
+        return read_until_closed(sock, 10)[0]
+
+
+def half_sent_body(address: tuple[str, int], sent: int) -> bytes:
+    """An 8 MB body of which `sent` bytes come, then nothing; what the server sent before closing."""
+    with socket.create_connection(address) as sock:
+        with contextlib.suppress(OSError):  # the server may close while we send
+            sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 8000000\r\n\r\n" + b"x" * sent)
+        return read_until_closed(sock, 20)[0]
+
+
+def test_connection_attacks_on_a_server_whose_memory_is_capped(long_llm):
+    """`serve` in a child whose data segment is capped (RLIMIT_DATA, set once it is idle) at 256 MiB
+    over what it holds then, against 60 slowloris connections and 60 half-sent bodies of 6 MB each
+    (360 MB in all). Each attacker is closed with 408 or 503; the server keeps answering /health and
+    completions meanwhile, and its peak resident memory grows by less than the cap's headroom (with
+    --max-body-memory 2 GB it grew by more: 266 MB, measured here)."""
+    headroom, n_each, sent = 256 * 1024 * 1024, 60, 6_000_000
+    assert n_each * sent > headroom
+    process = serve_command("-m", str(long_llm.path), "--port", "0", "-c", "256", "--parallel", "1",
+                            "--read-timeout", "3")
+    try:
+        url = serving_url(process)
+        threading.Thread(target=process.stderr.read, daemon=True).start()  # its log must not fill the pipe
+        complete(url)  # the first completion's one-off allocations, before the cap
+        idle = memory_of(process.pid)
+        resource.prlimit(process.pid, resource.RLIMIT_DATA, (idle["VmData"] + headroom,) * 2)
+        address = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        with ThreadPoolExecutor(2 * n_each) as pool:
+            slow = [pool.submit(slowloris, address, 6) for _ in range(n_each)]
+            bodies_sent = [pool.submit(half_sent_body, address, sent) for _ in range(n_each)]
+            answered = 0
+            while not all(f.done() for f in slow + bodies_sent):
+                assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+                assert complete(url)
+                answered += 1
+            answers = [f.result() for f in slow + bodies_sent]
+        after = memory_of(process.pid)
+        assert all(a == b"" or a.startswith((b"HTTP/1.1 408", b"HTTP/1.1 503")) for a in answers), \
+            {a[:40] for a in answers}
+        assert sum(a.startswith(b"HTTP/1.1 408") for a in answers[:n_each]) >= n_each // 2
+        assert answered >= 1 and process.poll() is None
+        assert after["VmHWM"] - idle["VmHWM"] < headroom
+        assert httpx.get(f"{url}/health").status_code == 200 and complete(url)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+# ---------------------------------------------------------------- bodies: work and log lines bounded
 
 def json_values(value) -> int:
     """Values in a parsed JSON value as the body budget counts them: the root, each array item,
