@@ -36,6 +36,7 @@ from powerinfer.server.gate import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_MEMORY
 from powerinfer.server.generation import ClientGone, Generation, sliced_result
 from powerinfer.server.metrics import Metrics
 from powerinfer.server.model_names import ANY_NAME, ModelNames
+from powerinfer.server.rendering import json_answer
 from powerinfer.server.replica import REPLICA_LABEL, ReplicaHeader, label_series
 from powerinfer.server.replies import llama_final, llama_stream, openai_stream, responses_stream
 from powerinfer.server.request_log import RequestLog, note_generation
@@ -217,12 +218,13 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
                 for slot, (busy, cached, decoded) in enumerate(scheduler.slots())]
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeBody) -> dict:
+    async def tokenize(body: TokenizeBody) -> Response:
         llm, _ = state.ready()
-        return {"tokens": await run_in_threadpool(llm.tokenize, body.content, add_bos=body.add_special, special=True)}
+        return await json_answer({"tokens": await run_in_threadpool(llm.tokenize, body.content, add_bos=body.add_special,
+                                                                    special=True)})
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeBody) -> dict:
+    async def detokenize(body: DetokenizeBody) -> Response:
         llm, _ = state.ready()
 
         def checked_text() -> str:  # proportional to the ids: in a worker thread
@@ -232,7 +234,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
                                param="tokens")
             return llm.detokenize(body.tokens, special=True)
 
-        return {"content": await run_in_threadpool(checked_text)}
+        return await json_answer({"content": await run_in_threadpool(checked_text)})
 
     async def openai_answer(body: schemas.OpenAIRequest, prepare: Callable[[LLM, Any], list[Prepared]],
                             request: Request, chat: bool) -> Response:
@@ -257,7 +259,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
 
         tasks = [asyncio.ensure_future(whole(reply, start)) for reply, start in zip(replies, starts)]
         try:
-            return JSONResponse(merged(await asyncio.gather(*tasks)))
+            return await json_answer(merged(await asyncio.gather(*tasks)))
         finally:  # one failed: the others stop too
             for task in tasks:
                 task.cancel()
@@ -280,10 +282,10 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
         start = lambda: state.generation(scheduler, prepared.sequences)  # noqa: E731
         if chat.stream:
             return streaming(responses_stream(shape, reply, start))
-        return JSONResponse(shape.whole(reply.whole(await start().result(request))))
+        return await json_answer(shape.whole(reply.whole(await start().result(request))))
 
     @app.post("/v1/embeddings")
-    async def embeddings(request: Request, body: EmbeddingBody) -> dict:
+    async def embeddings(request: Request, body: EmbeddingBody) -> Response:
         state.check_model(body.model)
         llm, scheduler = state.ready()
         token_lists = await run_in_threadpool(llm.embedding_ids, body.inputs())
@@ -293,7 +295,9 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
                                 "request (--max-embedding-tokens)", param="input")
         # On the scheduler's thread (one thread drives the model), in slices beside generation.
         vectors = await sliced_result(scheduler.call_sliced(lambda _: llm.embedding_steps(token_lists)), request)
-        return embedding_list(vectors, n_tokens, state.model_id, body.encoding_format)
+        # base64 encoding, as the floats, in a worker thread: thousands of values per input
+        return await json_answer(await run_in_threadpool(embedding_list, vectors, n_tokens, state.model_id,
+                                                         body.encoding_format))
 
     @app.post("/completion")
     async def llama_completion(request: Request, body: LlamaCompletionBody) -> Response:
@@ -304,7 +308,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
         if body.stream:
             return streaming(llama_stream(generation, state.model_id))
         completion = (await generation.result(request))[0]
-        return JSONResponse({"content": completion.text, **llama_final(generation.sequence, completion, state.model_id)})
+        return await json_answer({"content": completion.text, **llama_final(generation.sequence, completion, state.model_id)})
 
     return app
 
