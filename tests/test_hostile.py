@@ -423,7 +423,7 @@ def test_a_body_being_parsed_holds_no_other_client(long_llm, monkeypatch):
 
 def test_a_flood_of_large_bodies_leaves_other_clients_answered(long_llm):
     """Eight clients send 8 MB bodies of 2.7 million values each (refused by the values budget:
-    parsed whole, each holds the interpreter for about a second in one call). Meanwhile another
+    parsed whole, each holds the interpreter for about half a second in one call). Meanwhile another
     client's /health and small /tokenize are answered, each within a tenth of the flood's time
     (its values are counted first, in short steps)."""
     flood = b'{"content": "x", "padding": [' + b"{}," * 2_700_000 + b"{}]}"

@@ -3,7 +3,7 @@
 FastAPI parses and validates a body on the event loop: while it works through a large body, no
 other client is answered. Here that work runs in a thread. A thread alone is not enough: the
 interpreter's lock passes between threads only between calls into C, and `json.loads` of an 8 MB
-body of small values is one call of about a second, which the event loop would wait out. So the
+body of small values is one call of about half a second, which the event loop would wait out. So the
 body's values are counted first by a scan whose every step is a short call (`within_budget`), and
 only a body within schemas.MAX_JSON_VALUES reaches `json.loads`: the longest call the event loop
 can wait for is then the parse of a body within that budget.
