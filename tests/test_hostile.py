@@ -424,7 +424,7 @@ def test_a_body_being_parsed_holds_no_other_client(long_llm, monkeypatch):
 def test_a_flood_of_large_bodies_leaves_other_clients_answered(long_llm):
     """Eight clients send 8 MB bodies of 2.7 million values each (refused by the values budget:
     parsed whole, each holds the interpreter for about half a second in one call). Meanwhile another
-    client's /health and small /tokenize are answered, each within a tenth of the flood's time
+    client's /health and small /tokenize are answered, each within a fifth of the flood's time
     (its values are counted first, in short steps)."""
     flood = b'{"content": "x", "padding": [' + b"{}," * 2_700_000 + b"{}]}"
     assert len(flood) < 8 * 1024 * 1024
@@ -441,7 +441,7 @@ def test_a_flood_of_large_bodies_leaves_other_clients_answered(long_llm):
         flood_seconds = time.monotonic() - started
         answers = [post.result() for post in posts]
     assert all(a.status_code == 400 and "524288 JSON values" in a.json()["error"]["message"] for a in answers)
-    assert len(waits) >= 5 and max(waits) < flood_seconds / 10, \
+    assert len(waits) >= 5 and max(waits) < flood_seconds / 5, \
         f"a client waited up to {max(waits):.2f} s of the flood's {flood_seconds:.1f} s ({len(waits)} asked)"
 
 
