@@ -4,7 +4,7 @@ For each model: calibration on wikitext-2 valid.txt only (powerinfer.sparse.cali
 perplexity of test.txt (llama.cpp's method, c=512) with the block linears' inputs masked
 (masked dense, on the torch path: the real kernel's quality up to its re-quantization of columns):
 - uniform: every site at the target sparsity (TEAL's baseline), by the chosen criterion;
-- the allocation (`--method`, default the greedy across blocks), at the same targets;
+- the allocation (`--method`, default TEAL's block-wise greedy), at the same targets;
 - the operating point `max_ppl_increase` picks on the calibration text (`--max-ppl-increase`).
 
     .venv/bin/python benchmarks/sparsity_quality.py --model smollm2 --model gemma3-270m [--chunks 100]
@@ -119,7 +119,7 @@ def main() -> int:
                         help="chunks of test.txt, one number for every model or one per --model (default: 100)")
     parser.add_argument("--targets", type=lambda s: [float(t) for t in s.split(",") if t], default=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7],
                         help="model-wide target sparsities (comma-separated)")
-    parser.add_argument("--method", default="global", choices=("blockwise", "global"), help="the allocation compared to uniform")
+    parser.add_argument("--method", default="blockwise", choices=("blockwise", "global"), help="the allocation compared to uniform")
     parser.add_argument("--criterion", default="wina", choices=("teal", "wina"))
     parser.add_argument("--max-ppl-increase", type=float, default=1.03, help="also the operating point within this factor (0: none)")
     parser.add_argument("--search-chunks", type=int, default=4,

@@ -13,6 +13,12 @@ Methods (METHODS):
   in the model is the one that costs the least error per weight saved, until the target. The
   error is each block's relative output error, so steps of different blocks compare.
 All are deterministic: the same calibration gives the same thresholds.
+
+Measured on SmolLM2-135M Q4_1 (wikitext-2 test, 6 chunks of 512, WINA criterion;
+benchmarks/results/sparsity_quality.md): at 30 % model-wide, blockwise 1.023x dense perplexity,
+uniform 1.041x, global 1.199x; at 40 %: 1.138x, 1.140x, 2.10x. "blockwise" is the default. The
+global merge loses: a relative block error is not comparable across blocks (SmolLM2's residual
+stream has large outlier channels in some layers, which make their relative errors look small).
 """
 
 from __future__ import annotations
@@ -228,7 +234,7 @@ class Allocator:
             self._curves = block_curves(self.calibration, self.criterion, progress=self.progress)
         return self._curves
 
-    def allocate(self, target: float, method: Method = "global") -> Allocation:
+    def allocate(self, target: float, method: Method = "blockwise") -> Allocation:
         """The allocation for a model-level `target` sparsity in [0, 1)."""
         if method not in METHODS:
             raise PowerInferError(f"unknown allocation method {method!r} (expected one of {', '.join(METHODS)})")
@@ -242,7 +248,7 @@ class Allocator:
             sparsities = global_sparsities(self.curves, target)
         return allocation_for(self.calibration, target, sparsities, self.criterion, method)
 
-    def within_perplexity(self, max_increase: float, method: Method = "global", chunks: int = 4,
+    def within_perplexity(self, max_increase: float, method: Method = "blockwise", chunks: int = 4,
                           highest: float = 0.9) -> Allocation:
         """The allocation for the largest target (to 0.7 %, bisected) whose perplexity on the first
         `chunks` calibration chunks stays within `max_increase` times the dense model's."""
