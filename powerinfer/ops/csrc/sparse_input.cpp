@@ -1,0 +1,185 @@
+// SparseInputProjection (sparse_input.h): the channel selection, the split of the outputs over
+// threads, the prefill path, and the scalar column kernel (CPUs without AVX2);
+// sparse_input_simd.cpp holds the AVX2 one.
+#include "sparse_input.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "neuron_kernels.h"
+
+namespace powerinfer {
+
+namespace scalar {
+
+void axpy_columns(const uint8_t* const* cols, const float* c, int n, const BlockFormat& f, int64_t b0, int64_t b1, float* out) {
+  DecodedBlock q;
+  float a[QK_K / QK_SUB], b[QK_K / QK_SUB];
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    float* o = out + blk * f.n;
+    for (int j = 0; j < n; ++j) {
+      const uint8_t* block = cols[j] + blk * f.bytes;
+      decode_block(f, block, q);
+      axpy_coefficients(f, block, c[j], a, b);
+      for (int64_t k = 0; k < f.n; ++k) o[k] += a[k / QK_SUB] * q.q[k] + b[k / QK_SUB];
+    }
+  }
+}
+
+}  // namespace scalar
+
+namespace {
+
+ColumnKernel column_kernel() {
+  switch (active_isa()) {
+#ifdef POWERINFER_X86
+    case Isa::AVX512:  // the AVX2 kernel: column accumulation is bound by memory, not by vector width
+    case Isa::AVX2: return avx2::axpy_columns;
+#endif
+    default: return scalar::axpy_columns;
+  }
+}
+
+// Channels visited together by the rows of one call: every row's batches that start in a window
+// run before the next window's, so a column the rows share is read from memory once.
+constexpr int64_t WINDOW = 64;
+
+// Prefill: columns dequantized per tile of channels of at most this many float32 bytes.
+constexpr int64_t TILE_BYTES = 16 << 20;
+
+// The outputs [begin, end) of one task, as a block range per part: blocks [block(begin), block(end)),
+// rounding each bound up to a whole block, so neighbouring tasks share no block and miss none.
+struct OutputRange {
+  int64_t begin, end;
+
+  int64_t block(const ColumnPart& p, int64_t at) const {
+    const int64_t n = p.format->n;
+    return std::clamp<int64_t>((at - p.first_output + n - 1) / n, 0, p.n_blocks);
+  }
+  std::pair<int64_t, int64_t> blocks(const ColumnPart& p) const { return {block(p, begin), block(p, end)}; }
+};
+
+// Outputs per task at least this many: fewer would cost more in thread start than they save.
+constexpr int64_t MIN_TASK_OUTPUTS = 512;
+
+}  // namespace
+
+SparseInputProjection::SparseInputProjection(torch::Tensor records_, std::vector<int64_t> types_,
+                                             std::vector<int64_t> part_outputs_, torch::Tensor thresholds_,
+                                             int64_t sparse_max_rows_)
+    : records(std::move(records_)), thresholds(std::move(thresholds_)), types(std::move(types_)),
+      part_outputs(std::move(part_outputs_)), out_features(0), sparse_max_rows(sparse_max_rows_) {
+  TORCH_CHECK(records.dtype() == torch::kUInt8 && records.dim() == 2 && records.is_contiguous(),
+              "column records must be contiguous uint8 [in, record bytes]");
+  TORCH_CHECK(!types.empty() && types.size() == part_outputs.size(), "one GGML type and output count per part");
+  in_features = records.size(0);
+  TORCH_CHECK(thresholds.dtype() == torch::kFloat32 && thresholds.dim() == 1 && thresholds.is_contiguous() &&
+                  thresholds.size(0) == in_features,
+              "thresholds must be contiguous float32 [", in_features, "]");
+  int64_t offset = 0;
+  for (size_t p = 0; p < types.size(); ++p) {
+    const BlockFormat& f = block_format(types[p]);
+    TORCH_CHECK(part_outputs[p] > 0 && part_outputs[p] % f.n == 0, "part ", p, ": ", part_outputs[p],
+                " outputs are not whole blocks of ", f.n);
+    parts_.push_back({&f, offset, part_outputs[p] / f.n, out_features});
+    offset += parts_.back().n_blocks * f.bytes;
+    out_features += part_outputs[p];
+  }
+  TORCH_CHECK(offset == records.size(1), "these parts take ", offset, " bytes per channel, the records hold ", records.size(1));
+}
+
+torch::Tensor SparseInputProjection::operator()(const torch::Tensor& x) const {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "x must be [rows, ", in_features, "]");
+  const auto xf = x.to(torch::kFloat32).contiguous();
+  return xf.size(0) <= sparse_max_rows ? sparse_rows(xf) : all_channels(xf);
+}
+
+torch::Tensor SparseInputProjection::sparse_rows(const torch::Tensor& x) const {
+  const int64_t M = x.size(0), K = in_features, stride = records.size(1);
+  const float* xs = x.data_ptr<float>();
+  const float* limit = thresholds.data_ptr<float>();
+  std::vector<std::vector<int32_t>> channels(M);
+  std::vector<std::vector<float>> values(M);
+  int64_t selected = 0;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t i = 0; i < K; ++i) {
+      const float v = xs[m * K + i];
+      if (std::fabs(v) > limit[i]) channels[m].push_back(static_cast<int32_t>(i)), values[m].push_back(v);
+    }
+    selected += static_cast<int64_t>(channels[m].size());
+  }
+  selected_.store(selected, std::memory_order_relaxed);
+
+  auto y = torch::zeros({M, out_features}, x.options());
+  float* out = y.data_ptr<float>();
+  const uint8_t* base = records.data_ptr<uint8_t>();
+  const ColumnKernel kernel = column_kernel();
+  const int64_t tasks = std::clamp<int64_t>(out_features / MIN_TASK_OUTPUTS, 1, at::get_num_threads());
+  at::parallel_for(0, tasks, 1, [&](int64_t first_task, int64_t end_task) {
+    for (int64_t t = first_task; t < end_task; ++t) {
+      const OutputRange range{out_features * t / tasks, out_features * (t + 1) / tasks};
+      // this task's bytes of column i, part by part, into L2 ahead of use (the order of the
+      // columns is the data's, which hardware prefetchers cannot follow)
+      const auto prefetch_column = [&](int32_t i) {
+        for (const ColumnPart& p : parts_) {
+          const auto [b0, b1] = range.blocks(p);
+          prefetch(base + i * stride + p.offset + b0 * p.format->bytes, (b1 - b0) * p.format->bytes);
+        }
+      };
+      std::vector<size_t> next(M, 0);  // per row: its first active channel not yet added
+      for (int64_t window_end = WINDOW;; window_end += WINDOW) {
+        bool more = false;
+        for (int64_t m = 0; m < M; ++m) {
+          const std::vector<int32_t>& ids = channels[m];
+          while (next[m] < ids.size() && ids[next[m]] < window_end) {
+            const size_t j0 = next[m];
+            const int n = static_cast<int>(std::min<size_t>(COLUMN_BATCH, ids.size() - j0));
+            for (size_t j = j0 + n; j < std::min(ids.size(), j0 + 2 * n); ++j) prefetch_column(ids[j]);
+            for (const ColumnPart& p : parts_) {
+              const auto [b0, b1] = range.blocks(p);
+              if (b0 == b1) continue;
+              const uint8_t* cols[COLUMN_BATCH];
+              for (int j = 0; j < n; ++j) cols[j] = base + ids[j0 + j] * stride + p.offset;
+              kernel(cols, values[m].data() + j0, n, *p.format, b0, b1, out + m * out_features + p.first_output);
+            }
+            next[m] += n;
+          }
+          more = more || next[m] < ids.size();
+        }
+        if (!more) break;
+      }
+    }
+  });
+  return y;
+}
+
+torch::Tensor SparseInputProjection::all_channels(const torch::Tensor& x) const {
+  selected_.store(x.size(0) * in_features, std::memory_order_relaxed);
+  const int64_t stride = records.size(1);
+  const int64_t tile_rows = std::clamp<int64_t>(TILE_BYTES / (4 * out_features), 1, in_features);
+  auto y = torch::zeros({x.size(0), out_features}, x.options());
+  auto tile = torch::empty({tile_rows, out_features}, x.options());
+  const uint8_t* base = records.data_ptr<uint8_t>();
+  float* columns = tile.data_ptr<float>();
+  const ColumnKernel kernel = column_kernel();
+  const float one = 1.0f;
+  for (int64_t i0 = 0; i0 < in_features; i0 += tile_rows) {
+    const int64_t n = std::min(tile_rows, in_features - i0);
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        float* row = columns + i * out_features;
+        std::fill(row, row + out_features, 0.0f);
+        for (const ColumnPart& p : parts_) {
+          const uint8_t* col = base + (i0 + i) * stride + p.offset;
+          kernel(&col, &one, 1, *p.format, 0, p.n_blocks, row + p.first_output);
+        }
+      }
+    });
+    y.addmm_(x.narrow(1, i0, n), tile.narrow(0, 0, n));
+  }
+  return y;
+}
+
+}  // namespace powerinfer
