@@ -8,7 +8,10 @@ side by side along the outputs: channel i's record holds its column of each.
 
 The native executor is `SparseInputProjection` (powerinfer/ops/csrc/sparse_input.h): up to
 `SPARSE_MAX_ROWS` rows compute only their active channels, more rows (prefill) compute all of
-them. `sparse_reference` is the plain-torch reference, used where the native module is absent.
+them. On AVX2 (and AVX-512) CPUs it rounds Q4_0 and Q4_1 coefficients x_i d_i to int8 per block of
+32 outputs and batch of channels, as the dense AVX2 kernel rounds x to int8 per 32 inputs; other
+types, and the scalar path, multiply float32 x by the dequantized weights. `sparse_reference` is
+the plain-torch reference, used where the native module is absent.
 """
 
 from __future__ import annotations

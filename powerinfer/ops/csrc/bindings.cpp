@@ -66,6 +66,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("out_features", &SparseInputProjection::out_features)
       .def_property_readonly("last_selected", &SparseInputProjection::last_selected,
                              "(row, channel) pairs the last call computed");
+  m.attr("SPARSE_COLUMN_BATCH") = COLUMN_BATCH;
 
   py::class_<AttentionSpec>(m, "AttentionSpec", "what decode_attention computes besides plain attention (ops.h)")
       .def(py::init([](int64_t n_head, int64_t n_kv, int64_t rope_dim, bool neox, int64_t window, float scale, float softcap) {

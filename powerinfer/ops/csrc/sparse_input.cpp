@@ -14,13 +14,21 @@ namespace powerinfer {
 
 namespace scalar {
 
-void axpy_columns(const uint8_t* const* cols, const float* c, int n, const BlockFormat& f, int64_t b0, int64_t b1, float* out) {
+void axpy_columns(const uint8_t* const* recs, const float* c, int n, const ColumnPart& p, int64_t b0, int64_t b1, float* out) {
+  const BlockFormat& f = *p.format;
   DecodedBlock q;
   float a[QK_K / QK_SUB], b[QK_K / QK_SUB];
   for (int64_t blk = b0; blk < b1; ++blk) {
     float* o = out + blk * f.n;
     for (int j = 0; j < n; ++j) {
-      const uint8_t* block = cols[j] + blk * f.bytes;
+      if (p.split) {  // w = d q + m, m = -8 d for Q4_0
+        const uint8_t* nibbles = recs[j] + p.q_off + blk * 16;
+        const float d = half_to_float(recs[j] + p.d_off + 2 * blk);
+        const float m = p.m_off >= 0 ? half_to_float(recs[j] + p.m_off + 2 * blk) : -8.0f * d;
+        for (int k = 0; k < QK; ++k) o[k] += c[j] * (d * static_cast<float>(k < 16 ? nibbles[k] & 0x0F : nibbles[k - 16] >> 4) + m);
+        continue;
+      }
+      const uint8_t* block = recs[j] + p.q_off + blk * f.bytes;
       decode_block(f, block, q);
       axpy_coefficients(f, block, c[j], a, b);
       for (int64_t k = 0; k < f.n; ++k) o[k] += a[k / QK_SUB] * q.q[k] + b[k / QK_SUB];
@@ -66,15 +74,14 @@ constexpr int64_t MIN_TASK_OUTPUTS = 512;
 
 }  // namespace
 
-SparseInputProjection::SparseInputProjection(torch::Tensor records_, std::vector<int64_t> types_,
+SparseInputProjection::SparseInputProjection(const torch::Tensor& raw, std::vector<int64_t> types_,
                                              std::vector<int64_t> part_outputs_, torch::Tensor thresholds_,
                                              int64_t sparse_max_rows_)
-    : records(std::move(records_)), thresholds(std::move(thresholds_)), types(std::move(types_)),
-      part_outputs(std::move(part_outputs_)), out_features(0), sparse_max_rows(sparse_max_rows_) {
-  TORCH_CHECK(records.dtype() == torch::kUInt8 && records.dim() == 2 && records.is_contiguous(),
-              "column records must be contiguous uint8 [in, record bytes]");
+    : thresholds(std::move(thresholds_)), types(std::move(types_)), part_outputs(std::move(part_outputs_)),
+      out_features(0), sparse_max_rows(sparse_max_rows_) {
+  TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2, "column records must be uint8 [in, record bytes]");
   TORCH_CHECK(!types.empty() && types.size() == part_outputs.size(), "one GGML type and output count per part");
-  in_features = records.size(0);
+  in_features = raw.size(0);
   TORCH_CHECK(thresholds.dtype() == torch::kFloat32 && thresholds.dim() == 1 && thresholds.is_contiguous() &&
                   thresholds.size(0) == in_features,
               "thresholds must be contiguous float32 [", in_features, "]");
@@ -83,11 +90,36 @@ SparseInputProjection::SparseInputProjection(torch::Tensor records_, std::vector
     const BlockFormat& f = block_format(types[p]);
     TORCH_CHECK(part_outputs[p] > 0 && part_outputs[p] % f.n == 0, "part ", p, ": ", part_outputs[p],
                 " outputs are not whole blocks of ", f.n);
-    parts_.push_back({&f, offset, part_outputs[p] / f.n, out_features});
-    offset += parts_.back().n_blocks * f.bytes;
+    const int64_t n_blocks = part_outputs[p] / f.n;
+    const bool split = f.type == GgmlType::Q4_0 || f.type == GgmlType::Q4_1;
+    const int64_t d_off = split ? offset + 16 * n_blocks : -1;
+    parts_.push_back({&f, split, offset, d_off, f.has_min ? d_off + 2 * n_blocks : -1, n_blocks, out_features});
+    offset += n_blocks * f.bytes;
     out_features += part_outputs[p];
   }
-  TORCH_CHECK(offset == records.size(1), "these parts take ", offset, " bytes per channel, the records hold ", records.size(1));
+  TORCH_CHECK(offset == raw.size(1), "these parts take ", offset, " bytes per channel, the records hold ", raw.size(1));
+  records = torch::empty_like(raw, torch::MemoryFormat::Contiguous);
+  const auto source = raw.contiguous();
+  at::parallel_for(0, in_features, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* from = source.data_ptr<uint8_t>() + i * offset;
+      uint8_t* to = records.data_ptr<uint8_t>() + i * offset;
+      for (const ColumnPart& p : parts_) {
+        const uint8_t* blocks = from + p.q_off;
+        if (!p.split) {
+          std::memcpy(to + p.q_off, blocks, p.bytes());
+          continue;
+        }
+        const int64_t header = p.m_off >= 0 ? 4 : 2;  // d (and m) before the nibbles
+        for (int64_t b = 0; b < p.n_blocks; ++b) {
+          const uint8_t* block = blocks + b * p.format->bytes;
+          std::memcpy(to + p.d_off + 2 * b, block, 2);
+          if (p.m_off >= 0) std::memcpy(to + p.m_off + 2 * b, block + 2, 2);
+          std::memcpy(to + p.q_off + 16 * b, block + header, 16);
+        }
+      }
+    }
+  });
 }
 
 torch::Tensor SparseInputProjection::operator()(const torch::Tensor& x) const {
@@ -123,9 +155,16 @@ torch::Tensor SparseInputProjection::sparse_rows(const torch::Tensor& x) const {
       // this task's bytes of column i, part by part, into L2 ahead of use (the order of the
       // columns is the data's, which hardware prefetchers cannot follow)
       const auto prefetch_column = [&](int32_t i) {
+        const uint8_t* record = base + i * stride;
         for (const ColumnPart& p : parts_) {
           const auto [b0, b1] = range.blocks(p);
-          prefetch(base + i * stride + p.offset + b0 * p.format->bytes, (b1 - b0) * p.format->bytes);
+          if (!p.split) {
+            prefetch(record + p.q_off + b0 * p.format->bytes, (b1 - b0) * p.format->bytes);
+            continue;
+          }
+          prefetch(record + p.q_off + 16 * b0, 16 * (b1 - b0));
+          prefetch(record + p.d_off + 2 * b0, 2 * (b1 - b0));
+          if (p.m_off >= 0) prefetch(record + p.m_off + 2 * b0, 2 * (b1 - b0));
         }
       };
       std::vector<size_t> next(M, 0);  // per row: its first active channel not yet added
@@ -140,9 +179,9 @@ torch::Tensor SparseInputProjection::sparse_rows(const torch::Tensor& x) const {
             for (const ColumnPart& p : parts_) {
               const auto [b0, b1] = range.blocks(p);
               if (b0 == b1) continue;
-              const uint8_t* cols[COLUMN_BATCH];
-              for (int j = 0; j < n; ++j) cols[j] = base + ids[j0 + j] * stride + p.offset;
-              kernel(cols, values[m].data() + j0, n, *p.format, b0, b1, out + m * out_features + p.first_output);
+              const uint8_t* recs[COLUMN_BATCH];
+              for (int j = 0; j < n; ++j) recs[j] = base + ids[j0 + j] * stride;
+              kernel(recs, values[m].data() + j0, n, p, b0, b1, out + m * out_features + p.first_output);
             }
             next[m] += n;
           }
@@ -171,10 +210,8 @@ torch::Tensor SparseInputProjection::all_channels(const torch::Tensor& x) const 
       for (int64_t i = begin; i < end; ++i) {
         float* row = columns + i * out_features;
         std::fill(row, row + out_features, 0.0f);
-        for (const ColumnPart& p : parts_) {
-          const uint8_t* col = base + (i0 + i) * stride + p.offset;
-          kernel(&col, &one, 1, *p.format, 0, p.n_blocks, row + p.first_output);
-        }
+        const uint8_t* record = base + (i0 + i) * stride;
+        for (const ColumnPart& p : parts_) kernel(&record, &one, 1, p, 0, p.n_blocks, row + p.first_output);
       }
     });
     y.addmm_(x.narrow(1, i0, n), tile.narrow(0, 0, n));

@@ -1,8 +1,11 @@
 // The column kernel of SparseInputProjection for AVX2 (sparse_input.h): per block of outputs, the
-// outputs are loaded once, each column of the batch adds c_j times its dequantized weights with
-// float32 multiply-adds, and they are stored once. Q4_0, Q4_1, Q8_0 and Q4_K are read straight from
-// their blocks; the other block types go through the neuron kernels' block decoder, one column at a
-// time (neuron_kernels_simd.cpp).
+// outputs are loaded once, every column of the batch adds to them, and they are stored once.
+// Q4_0 and Q4_1 (split records) multiply 4-bit weights by int8 coefficients in int16: on AMD Zen
+// every vector instruction shares four pipes, and the float32 path (a conversion and a
+// multiply-add per weight, plus a scalar scale per block and column) ran at a third of the dense
+// kernel's bytes per second in cache. Q8_0 and Q4_K take float32 multiply-adds on their own blocks;
+// the other block types go through the neuron kernels' block decoder, one column at a time
+// (neuron_kernels_simd.cpp).
 #include "sparse_input.h"
 
 #include "neuron_kernels.h"
@@ -24,17 +27,6 @@ inline float half(const uint8_t* p) {
 inline __m256i widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i widen_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 
-// acc[0..3] += scale * the 32 values of 16 bytes of nibbles whose low nibbles are values 0-15 and
-// high nibbles values 16-31 (the byte order of Q4_0 and Q4_1 blocks, and of Q4_K after `shift`).
-inline void add_nibbles(const uint8_t* q, __m256 scale, __m256* acc) {
-  const __m256i low = _mm256_set1_epi32(0x0F);
-  const __m256i a = widen_u8(q), b = widen_u8(q + 8);
-  acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(a, low)), scale, acc[0]);
-  acc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), scale, acc[1]);
-  acc[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), scale, acc[2]);
-  acc[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), scale, acc[3]);
-}
-
 // acc[0..3] += scale * 32 nibbles of 32 bytes, the low ones (shift 0) or the high ones (shift 4).
 inline void add_nibble_run(const uint8_t* q, int shift, __m256 scale, __m256* acc) {
   const __m256i low = _mm256_set1_epi32(0x0F);
@@ -52,32 +44,104 @@ inline void store_block(float* o, const __m256* acc) {
   for (int part = 0; part < 4; ++part) _mm256_storeu_ps(o + 8 * part, acc[part]);
 }
 
-// Q4_0 (d, 16 bytes of nibbles: w = d (q - 8)), Q4_1 (d, m, nibbles: w = d q + m), Q8_0 (d, 32 int8:
-// w = d q). The offsets of a batch are summed in a scalar and added once per block.
-template <GgmlType TYPE>
-void axpy_legacy(const uint8_t* const* cols, const float* c, int n, int64_t b0, int64_t b1, float* out) {
-  constexpr int64_t bytes = TYPE == GgmlType::Q4_0 ? 18 : TYPE == GgmlType::Q4_1 ? 20 : 34;
-  constexpr int64_t q_at = TYPE == GgmlType::Q4_1 ? 4 : 2;
-  for (int64_t b = b0; b < b1; ++b) {
-    float cd[COLUMN_BATCH], offset = 0.0f;
-    for (int j = 0; j < n; ++j) {
-      const uint8_t* block = cols[j] + b * bytes;
-      cd[j] = c[j] * half(block);
-      if constexpr (TYPE == GgmlType::Q4_0) offset += -8.0f * cd[j];
-      if constexpr (TYPE == GgmlType::Q4_1) offset += c[j] * half(block + 2);
+// Up to 8 float16 values from p as float32 lanes; lanes past `count` are 0 (a part's last scales may
+// end its record, which a full 16-byte load would overrun).
+inline __m256 halves(const uint8_t* p, int64_t count) {
+  if (count == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) uint8_t tail[16] = {};
+  std::memcpy(tail, p, 2 * count);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tail)));
+}
+
+// o[0..31] += scale * the int16 sums (lo: outputs 0-15, hi: 16-31) + offset
+inline void add_sums(float* o, __m256i lo, __m256i hi, float scale, float offset) {
+  const __m256 s = _mm256_set1_ps(scale), m = _mm256_set1_ps(offset);
+  const __m128i halves16[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1), _mm256_castsi256_si128(hi),
+                               _mm256_extracti128_si256(hi, 1)};
+  for (int part = 0; part < 4; ++part) {
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(halves16[part]));
+    _mm256_storeu_ps(o + 8 * part, _mm256_fmadd_ps(v, s, _mm256_add_ps(_mm256_loadu_ps(o + 8 * part), m)));
+  }
+}
+
+// Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m) in split records. Per block, the batch's coefficients
+// c_j d_j are rounded to k_j = round(127 c_j d_j / max_j |c_j d_j|); their products with q add up
+// in int16 (|sum| <= COLUMN_BATCH * 15 * 127) and meet the scale max / 127 once. Both multiply
+// q - 8, 8 sum_j k_j taken away in integers: the rounding errors then meet centred weights (Q4_1's
+// q - 0 would add them up); Q4_1 adds sum_j c_j (m_j + 8 d_j) in float32. The scales of 8 blocks
+// are converted and rounded together. Columns go in pairs: their bytes interleaved, one maddubs
+// multiplies both (an odd batch's last column pairs with itself, the partner's k 0).
+template <bool MIN>
+void axpy_q4_split(const uint8_t* const* recs, const float* c, int n, const ColumnPart& p, int64_t b0, int64_t b1, float* out) {
+  constexpr int64_t GROUP = 8;
+  constexpr int PAIRS = COLUMN_BATCH / 2;
+  alignas(32) int32_t k_pair[PAIRS][GROUP], k_sum[GROUP];  // k_pair: k of column 2p in the low byte, 2p + 1 in the high
+  alignas(32) float scale[GROUP], offset[GROUP];
+  const int pairs = (n + 1) / 2;
+  const uint8_t* q[COLUMN_BATCH];
+  for (int j = 0; j < 2 * pairs; ++j) q[j] = recs[std::min(j, n - 1)] + p.q_off;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t g = b0; g < b1; g += GROUP) {
+    const int64_t count = std::min(GROUP, b1 - g);
+    __m256 cd[COLUMN_BATCH], amax = _mm256_setzero_ps(), minimums = _mm256_setzero_ps();
+    for (int j = 0; j < 2 * pairs; ++j) {
+      if (j == n) {
+        cd[j] = _mm256_setzero_ps();
+        break;
+      }
+      const __m256 cj = _mm256_set1_ps(c[j]);
+      cd[j] = _mm256_mul_ps(cj, halves(recs[j] + p.d_off + 2 * g, count));
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), cd[j]));
+      if constexpr (MIN)
+        minimums = _mm256_fmadd_ps(cj, halves(recs[j] + p.m_off + 2 * g, count), _mm256_fmadd_ps(_mm256_set1_ps(8.0f), cd[j], minimums));
     }
+    // blocks whose coefficients are all 0 get k = 0
+    const __m256 inverse = _mm256_and_ps(_mm256_cmp_ps(amax, _mm256_setzero_ps(), _CMP_GT_OQ),
+                                         _mm256_div_ps(_mm256_set1_ps(INT8_X_MAX), amax));
+    __m256i sum = _mm256_setzero_si256();
+    for (int pair = 0; pair < pairs; ++pair) {
+      const __m256i first = _mm256_cvtps_epi32(_mm256_mul_ps(cd[2 * pair], inverse));
+      const __m256i second = _mm256_cvtps_epi32(_mm256_mul_ps(cd[2 * pair + 1], inverse));
+      const __m256i packed = _mm256_or_si256(_mm256_and_si256(first, _mm256_set1_epi32(0xFF)), _mm256_slli_epi32(_mm256_and_si256(second, _mm256_set1_epi32(0xFF)), 8));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(k_pair[pair]), packed);
+      sum = _mm256_add_epi32(sum, _mm256_add_epi32(first, second));
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(k_sum), _mm256_slli_epi32(sum, 3));
+    _mm256_store_ps(scale, _mm256_div_ps(amax, _mm256_set1_ps(INT8_X_MAX)));
+    _mm256_store_ps(offset, minimums);
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t b = g + i;
+      __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+      for (int pair = 0; pair < pairs; ++pair) {
+        // byte t of a block: weight t in its low nibble, weight t + 16 in its high one; interleaved,
+        // byte 2t is column 2p's and 2t + 1 column 2p + 1's
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[2 * pair] + 16 * b));
+        const __m128i c2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[2 * pair + 1] + 16 * b));
+        const __m256i v = _mm256_set_m128i(_mm_unpackhi_epi8(a, c2), _mm_unpacklo_epi8(a, c2));
+        const __m256i kk = _mm256_set1_epi16(static_cast<int16_t>(k_pair[pair][i]));
+        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(v, low), kk));
+        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), kk));
+      }
+      const __m256i eight_sum = _mm256_set1_epi16(static_cast<int16_t>(k_sum[i]));
+      lo = _mm256_sub_epi16(lo, eight_sum);
+      hi = _mm256_sub_epi16(hi, eight_sum);
+      add_sums(out + b * QK, lo, hi, scale[i], MIN ? offset[i] : 0.0f);
+    }
+  }
+}
+
+// Q8_0 (d, 32 int8: w = d q), float32: per block, c_j d_j times each weight, in order.
+void axpy_q8_0(const uint8_t* const* recs, const float* c, int n, const ColumnPart& p, int64_t b0, int64_t b1, float* out) {
+  constexpr int64_t bytes = 34;
+  for (int64_t b = b0; b < b1; ++b) {
     float* o = out + b * QK;
     __m256 acc[4];
-    load_block(o, offset, acc);
+    load_block(o, 0.0f, acc);
     for (int j = 0; j < n; ++j) {
-      const uint8_t* q = cols[j] + b * bytes + q_at;
-      const __m256 scale = _mm256_set1_ps(cd[j]);
-      if constexpr (TYPE == GgmlType::Q8_0) {
-        for (int part = 0; part < 4; ++part)
-          acc[part] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen_i8(q + 8 * part)), scale, acc[part]);
-      } else {
-        add_nibbles(q, scale, acc);
-      }
+      const uint8_t* block = recs[j] + p.q_off + b * bytes;
+      const __m256 scale = _mm256_set1_ps(c[j] * half(block));
+      for (int part = 0; part < 4; ++part)
+        acc[part] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen_i8(block + 2 + 8 * part)), scale, acc[part]);
     }
     store_block(o, acc);
   }
@@ -86,12 +150,12 @@ void axpy_legacy(const uint8_t* const* cols, const float* c, int n, int64_t b0, 
 // Q4_K: d, dmin, 12 bytes of 6-bit scales and minimums (ggml_blocks.cpp's scales_6bit_pairs), 128
 // bytes of nibbles: bytes 32s .. 32s + 31 hold sub-blocks 2s (low nibbles) and 2s + 1 (high).
 // w = d sc_j q - dmin mn_j per sub-block j of 32.
-void axpy_q4_k(const uint8_t* const* cols, const float* c, int n, int64_t b0, int64_t b1, float* out) {
+void axpy_q4_k(const uint8_t* const* recs, const float* c, int n, const ColumnPart& p, int64_t b0, int64_t b1, float* out) {
   constexpr int64_t bytes = 144, subs = 8;
   for (int64_t b = b0; b < b1; ++b) {
     float scale[COLUMN_BATCH][subs], offset[subs] = {};
     for (int j = 0; j < n; ++j) {
-      const uint8_t* block = cols[j] + b * bytes;
+      const uint8_t* block = recs[j] + p.q_off + b * bytes;
       const float d = c[j] * half(block), dmin = c[j] * half(block + 2);
       const uint8_t* s = block + 4;
       for (int k = 0; k < 4; ++k) {
@@ -106,7 +170,7 @@ void axpy_q4_k(const uint8_t* const* cols, const float* c, int n, int64_t b0, in
       __m256 acc[4];
       load_block(o, offset[sub], acc);
       for (int j = 0; j < n; ++j)
-        add_nibble_run(cols[j] + b * bytes + 16 + (sub / 2) * 32, 4 * (sub % 2), _mm256_set1_ps(scale[j][sub]), acc);
+        add_nibble_run(recs[j] + p.q_off + b * bytes + 16 + (sub / 2) * 32, 4 * (sub % 2), _mm256_set1_ps(scale[j][sub]), acc);
       store_block(o, acc);
     }
   }
@@ -114,16 +178,16 @@ void axpy_q4_k(const uint8_t* const* cols, const float* c, int n, int64_t b0, in
 
 }  // namespace
 
-void axpy_columns(const uint8_t* const* cols, const float* c, int n, const BlockFormat& f, int64_t b0, int64_t b1, float* out) {
+void axpy_columns(const uint8_t* const* recs, const float* c, int n, const ColumnPart& p, int64_t b0, int64_t b1, float* out) {
+  const BlockFormat& f = *p.format;
+  if (p.split) return p.m_off >= 0 ? axpy_q4_split<true>(recs, c, n, p, b0, b1, out) : axpy_q4_split<false>(recs, c, n, p, b0, b1, out);
   switch (f.type) {
-    case GgmlType::Q4_0: return axpy_legacy<GgmlType::Q4_0>(cols, c, n, b0, b1, out);
-    case GgmlType::Q4_1: return axpy_legacy<GgmlType::Q4_1>(cols, c, n, b0, b1, out);
-    case GgmlType::Q8_0: return axpy_legacy<GgmlType::Q8_0>(cols, c, n, b0, b1, out);
-    case GgmlType::Q4_K: return axpy_q4_k(cols, c, n, b0, b1, out);
+    case GgmlType::Q8_0: return axpy_q8_0(recs, c, n, p, b0, b1, out);
+    case GgmlType::Q4_K: return axpy_q4_k(recs, c, n, p, b0, b1, out);
     default: {
       // the neuron kernels' block rows (bits 0): the blocks [b0, b1) as one section
-      const Section s{b0 * f.bytes, -1, -1, 0, (b1 - b0) * f.n, &f};
-      axpy_rows(cols, c, n, s, out + b0 * f.n);
+      const Section s{p.q_off + b0 * f.bytes, -1, -1, 0, (b1 - b0) * f.n, &f};
+      axpy_rows(recs, c, n, s, out + b0 * f.n);
     }
   }
 }
