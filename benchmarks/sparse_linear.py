@@ -47,12 +47,12 @@ FROM_MEMORY_BYTES = 160 << 20  # copies of a linear rotate until they hold this 
 RESULTS = Path(__file__).parent / "results"
 
 
-def median_seconds(call: Callable[[int], object], copies: int, min_seconds: float) -> float:
+def median_seconds(call: Callable[[int], object], copies: int, min_seconds: float, clock: Callable[[], float]) -> float:
     times, started = [], time.perf_counter()
     while time.perf_counter() - started < min_seconds or len(times) < 3 * copies:
-        t = time.perf_counter()
+        t = clock()
         call(len(times) % copies)
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return statistics.median(times)
 
 
@@ -84,8 +84,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--types", nargs="+", default=["Q4_0", "Q4_K"], help="block types (rows and columns)")
     parser.add_argument("--seconds", type=float, default=0.4, help="minimum time per measurement")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: this thread's CPU time (with --threads 1: immune to time slices lost to other "
+                             "processes on a shared machine; memory stalls still count)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu measures one thread: use it with --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     ops = native.load()
     if ops is None:
         raise SystemExit("native operators are unavailable: nothing to benchmark")
@@ -110,7 +116,7 @@ def main() -> None:
             record_bytes = columns[0].nbytes // in_features
             for rows in args.rows:
                 x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
-                dense_s = median_seconds(lambda i: dense[i](x), copies, args.seconds)
+                dense_s = median_seconds(lambda i: dense[i](x), copies, args.seconds, clock)
                 cells, sums = [], [dense_s]
                 for sparsity in SPARSITIES:
                     # one uniform threshold per row's quantile; several rows: the smallest (each row
@@ -118,7 +124,7 @@ def main() -> None:
                     level = float(torch.quantile(x.abs(), sparsity, dim=1).min()) if sparsity else 0.0
                     for layer in columns:
                         layer.thresholds.fill_(level)
-                    s = median_seconds(lambda i: columns[i](x), copies, args.seconds)
+                    s = median_seconds(lambda i: columns[i](x), copies, args.seconds, clock)
                     union = int(((x.abs() > level).any(dim=0)).sum())
                     cells.append(f"{dense_s / s:.2f}x ({union * record_bytes / s / 1e9:.1f})")
                     sums.append(s)
@@ -138,7 +144,7 @@ def main() -> None:
     out = args.out or RESULTS / f"sparse_linear_{isa}.md"
     out.write_text(
         f"# Input-sparse linears on column records vs the dense row layout, Llama-2-7B widths\n\n"
-        f"Measured {datetime.date.today()} on {machine}; {isa} kernels, {args.threads} threads; memory read bandwidth "
+        f"Measured {datetime.date.today()} on {machine}; {isa} kernels, {args.threads} threads, {args.clock} clock; memory read bandwidth "
         f"measured in the same run: {bandwidth:.1f} GB/s. Dense: QuantLinear on the type's rows; columns: "
         "SparseInputProjection on the same type's column records; ratio = dense time / column time (higher: the "
         "column layout is faster); GB/s: bytes read per second (dense: the matrix; columns: the union of the "
@@ -148,7 +154,7 @@ def main() -> None:
         "product with Gaussian x against the source's product.\n\n| type | relative error |\n| --- | --- |\n"
         + "\n".join(errors) +
         f"\n\nCommand: `.venv/bin/python benchmarks/sparse_linear.py --isa {isa} --threads {args.threads} "
-        f"--rows {' '.join(map(str, args.rows))} --types {' '.join(args.types)}`\n")
+        f"--rows {' '.join(map(str, args.rows))} --types {' '.join(args.types)} --clock {args.clock}`\n")
     print(f"memory read bandwidth: {bandwidth:.1f} GB/s; wrote {out}")
 
 
