@@ -157,6 +157,7 @@ def test_each_row_gets_its_one_row_result_exactly(each_isa):
     x[1] *= 4  # a row that selects many more channels than the others
     thresholds = thresholds_at(x, 0.6, seed=8)
     layer = column_linear(matrices, thresholds)
+    assert layer.native is layer.projection is not None  # what the C++ decode step calls
     together = check(layer, matrices, thresholds, x)
     assert layer.last_selected == int((x.abs() > thresholds).sum())
     for rows in (slice(row, row + 1) for row in range(SPARSE_MAX_ROWS)):

@@ -112,6 +112,10 @@ class ColumnLinear(Linear):
         return sparse_reference(self.matrices, self.thresholds, x)
 
     @property
+    def native(self):
+        return self.projection
+
+    @property
     def last_selected(self) -> int | None:
         """(row, channel) pairs the last call computed (None without the native module)."""
         return None if self.projection is None else self.projection.last_selected
