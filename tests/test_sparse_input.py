@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(native.load() is None, reason="native operators 
 TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
 ALL_ISAS = ["avx512", "avx2", "scalar"]
 # per type rounding its coefficients on the SIMD paths: the largest |q - offset| of its weights
-INT8_COEFFICIENTS = {T.Q4_0: 8, T.Q4_1: 8}  # both multiply q - 8
+INT8_COEFFICIENTS = {T.Q4_0: 8, T.Q4_1: 8}  # both multiply q - 8 (sparse_input.h)
 
 
 @pytest.fixture(params=ALL_ISAS)
@@ -75,21 +75,21 @@ def masked_product(matrices, thresholds: torch.Tensor, x: torch.Tensor, mask: bo
 
 
 def coefficient_rounding_bound(m: ColumnMatrix, x: torch.Tensor) -> torch.Tensor:
-    """Per row and output: each batch of a row's active channels (its non-zero x, in order) rounds
-    x_j d_j per block to a multiple of s = max_j |x_j d_j| / 127, off by s / 2 at most, each
-    times |q - offset| <= INT8_COEFFICIENTS[type] (0 for types the kernels do not round)."""
+    """Per row and output: in each group of channels (SPARSE_COLUMN_BATCH consecutive ones), a row's
+    active channels (its non-zero x) round x_j d_j per block to a multiple of s = max_j |x_j d_j| / 127,
+    off by s / 2 at most, each times |q - 8| <= 8 (0 for types the kernels do not round)."""
     bound = torch.zeros(x.shape[0], m.out_features, dtype=torch.float64)
     if m.ggml_type not in INT8_COEFFICIENTS:
         return bound
     block, size = GGML_QUANT_SIZES[m.ggml_type]
     d = torch.from_numpy(m.rows.numpy().reshape(m.in_features, -1, size)[..., :2].copy().view(np.float16)[..., 0]).double()
-    batch = native.load().SPARSE_COLUMN_BATCH
+    group = native.load().SPARSE_COLUMN_BATCH
     for row in range(x.shape[0]):
-        active = x[row].nonzero().flatten()
-        for first in range(0, len(active), batch):
-            channels = active[first : first + batch]
-            step = (x[row, channels, None] * d[channels]).abs().amax(dim=0) / 127  # per block
-            bound[row] += (len(channels) * step / 2 * INT8_COEFFICIENTS[m.ggml_type]).repeat_interleave(block)
+        for first in range(0, x.shape[1], group):
+            coefficients = x[row, first : first + group, None] * d[first : first + group]
+            active = int((x[row, first : first + group] != 0).sum())
+            step = coefficients.abs().amax(dim=0) / 127  # per block
+            bound[row] += (active * step / 2 * INT8_COEFFICIENTS[m.ggml_type]).repeat_interleave(block)
     return bound
 
 
@@ -125,7 +125,7 @@ def check(layer, matrices, thresholds, x, mask=True):
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
-@pytest.mark.parametrize("in_features", [1, 37, 131])  # off every batch (4 columns) and window (64)
+@pytest.mark.parametrize("in_features", [1, 37, 131])  # off the groups of 16 channels
 def test_one_row_equals_the_masked_product_on_each_instruction_set(ggml_type, in_features, each_isa):
     blocks = 5 if ggml_type in (T.Q4_K, T.Q6_K) else 37  # two threads split the outputs inside a block
     m = transpose_quantize(weight(outputs_for(ggml_type, blocks), in_features, seed=in_features), ggml_type)
@@ -151,7 +151,8 @@ def test_fused_parts_of_mixed_types_equal_the_masked_product(each_isa):
 
 def test_each_row_gets_its_one_row_result_exactly(each_isa):
     """What keeps batched decoding equal to decoding alone: the rows' selections differ, their
-    union is computed once, and each row's bits do not depend on the others."""
+    union is read once (the weights unpacked once for up to 4 rows), and each row's bits do not
+    depend on the others."""
     matrices = fused(seed=6)
     x = inputs(SPARSE_MAX_ROWS, 200, seed=7)
     x[1] *= 4  # a row that selects many more channels than the others

@@ -14,7 +14,9 @@ namespace powerinfer {
 
 namespace scalar {
 
-void axpy_columns(const uint8_t* const* recs, const float* c, int n, const ColumnPart& p, int64_t b0, int64_t b1, float* out) {
+namespace {
+
+void axpy_row(const uint8_t* const* recs, const float* c, int n, const ColumnPart& p, int64_t b0, int64_t b1, float* out) {
   const BlockFormat& f = *p.format;
   DecodedBlock q;
   float a[QK_K / QK_SUB], b[QK_K / QK_SUB];
@@ -36,6 +38,13 @@ void axpy_columns(const uint8_t* const* recs, const float* c, int n, const Colum
   }
 }
 
+}  // namespace
+
+void axpy_columns(const uint8_t* const* recs, const float* c, int n, int rows, const ColumnPart& p, int64_t b0,
+                  int64_t b1, float* out, int64_t ld) {
+  for (int r = 0; r < rows; ++r) axpy_row(recs, c + r * COLUMN_BATCH, n, p, b0, b1, out + r * ld);
+}
+
 }  // namespace scalar
 
 namespace {
@@ -49,10 +58,6 @@ ColumnKernel column_kernel() {
     default: return scalar::axpy_columns;
   }
 }
-
-// Channels visited together by the rows of one call: every row's batches that start in a window
-// run before the next window's, so a column the rows share is read from memory once.
-constexpr int64_t WINDOW = 64;
 
 // Prefill: columns dequantized per tile of channels of at most this many float32 bytes.
 constexpr int64_t TILE_BYTES = 16 << 20;
@@ -132,15 +137,28 @@ torch::Tensor SparseInputProjection::sparse_rows(const torch::Tensor& x) const {
   const int64_t M = x.size(0), K = in_features, stride = records.size(1);
   const float* xs = x.data_ptr<float>();
   const float* limit = thresholds.data_ptr<float>();
-  std::vector<std::vector<int32_t>> channels(M);
-  std::vector<std::vector<float>> values(M);
+  // per group of channels: those some row selects, and each row's coefficients for them (0: skipped)
+  std::vector<int32_t> ids;
+  std::vector<int64_t> group_end;  // ids[group_end[g - 1] .. group_end[g])
+  std::vector<float> coefficients;  // per group: [M][COLUMN_BATCH]
   int64_t selected = 0;
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t i = 0; i < K; ++i) {
-      const float v = xs[m * K + i];
-      if (std::fabs(v) > limit[i]) channels[m].push_back(static_cast<int32_t>(i)), values[m].push_back(v);
+  for (int64_t g0 = 0; g0 < K; g0 += COLUMN_BATCH) {
+    const size_t first = ids.size(), c0 = coefficients.size();
+    coefficients.resize(c0 + M * COLUMN_BATCH, 0.0f);
+    for (int64_t i = g0; i < std::min(K, g0 + COLUMN_BATCH); ++i) {
+      const int64_t j = static_cast<int64_t>(ids.size() - first);
+      bool any = false;
+      for (int64_t m = 0; m < M; ++m) {
+        const float v = xs[m * K + i];
+        if (std::fabs(v) <= limit[i]) continue;
+        coefficients[c0 + m * COLUMN_BATCH + j] = v;
+        any = true;
+        ++selected;
+      }
+      if (any) ids.push_back(static_cast<int32_t>(i));
     }
-    selected += static_cast<int64_t>(channels[m].size());
+    if (ids.size() == first) coefficients.resize(c0);
+    else group_end.push_back(static_cast<int64_t>(ids.size()));
   }
   selected_.store(selected, std::memory_order_relaxed);
 
@@ -148,6 +166,7 @@ torch::Tensor SparseInputProjection::sparse_rows(const torch::Tensor& x) const {
   float* out = y.data_ptr<float>();
   const uint8_t* base = records.data_ptr<uint8_t>();
   const ColumnKernel kernel = column_kernel();
+  const int64_t groups = static_cast<int64_t>(group_end.size());
   const int64_t tasks = std::clamp<int64_t>(out_features / MIN_TASK_OUTPUTS, 1, at::get_num_threads());
   at::parallel_for(0, tasks, 1, [&](int64_t first_task, int64_t end_task) {
     for (int64_t t = first_task; t < end_task; ++t) {
@@ -167,27 +186,18 @@ torch::Tensor SparseInputProjection::sparse_rows(const torch::Tensor& x) const {
           if (p.m_off >= 0) prefetch(record + p.m_off + 2 * b0, 2 * (b1 - b0));
         }
       };
-      std::vector<size_t> next(M, 0);  // per row: its first active channel not yet added
-      for (int64_t window_end = WINDOW;; window_end += WINDOW) {
-        bool more = false;
-        for (int64_t m = 0; m < M; ++m) {
-          const std::vector<int32_t>& ids = channels[m];
-          while (next[m] < ids.size() && ids[next[m]] < window_end) {
-            const size_t j0 = next[m];
-            const int n = static_cast<int>(std::min<size_t>(COLUMN_BATCH, ids.size() - j0));
-            for (size_t j = j0 + n; j < std::min(ids.size(), j0 + 2 * n); ++j) prefetch_column(ids[j]);
-            for (const ColumnPart& p : parts_) {
-              const auto [b0, b1] = range.blocks(p);
-              if (b0 == b1) continue;
-              const uint8_t* recs[COLUMN_BATCH];
-              for (int j = 0; j < n; ++j) recs[j] = base + ids[j0 + j] * stride;
-              kernel(recs, values[m].data() + j0, n, p, b0, b1, out + m * out_features + p.first_output);
-            }
-            next[m] += n;
-          }
-          more = more || next[m] < ids.size();
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t j0 = g ? group_end[g - 1] : 0, j1 = group_end[g];
+        if (g + 1 < groups)
+          for (int64_t j = j1; j < group_end[g + 1]; ++j) prefetch_column(ids[j]);
+        const uint8_t* recs[COLUMN_BATCH];
+        for (int64_t j = j0; j < j1; ++j) recs[j - j0] = base + ids[j] * stride;
+        for (const ColumnPart& p : parts_) {
+          const auto [b0, b1] = range.blocks(p);
+          if (b0 < b1)
+            kernel(recs, coefficients.data() + g * M * COLUMN_BATCH, static_cast<int>(j1 - j0), static_cast<int>(M), p, b0,
+                   b1, out + p.first_output, out_features);
         }
-        if (!more) break;
       }
     }
   });
@@ -211,7 +221,7 @@ torch::Tensor SparseInputProjection::all_channels(const torch::Tensor& x) const 
         float* row = columns + i * out_features;
         std::fill(row, row + out_features, 0.0f);
         const uint8_t* record = base + (i0 + i) * stride;
-        for (const ColumnPart& p : parts_) kernel(&record, &one, 1, p, 0, p.n_blocks, row + p.first_output);
+        for (const ColumnPart& p : parts_) kernel(&record, &one, 1, 1, p, 0, p.n_blocks, row + p.first_output, 0);
       }
     });
     y.addmm_(x.narrow(1, i0, n), tile.narrow(0, 0, n));

@@ -10,14 +10,16 @@
 // reads 8 blocks' scales with one load. Other types keep their blocks as the file has them.
 //
 // Arithmetic (sparse path, a few rows): y[o] = sum over the row's active channels i of x_i w[o, i].
-// A row's active channels are taken in order, COLUMN_BATCH at a time: each batch adds to y once.
+// The channels go in fixed groups of COLUMN_BATCH (i / COLUMN_BATCH), each adding to y once: the
+// columns active in any row of the call are read once, and each row multiplies them by its own x_i,
+// or by 0 where it skips channel i (which changes no bit of its sums).
 //   AVX2, Q4_0 and Q4_1: per block of 32 outputs, the batch's coefficients x_i d_i are rounded to
 //   int8 on one scale (their largest over 127, as the dense AVX2 kernel rounds x per 32 inputs),
-//   the 4-bit weights less 8 multiply them in int16 (exact: 8 columns of 15 * 127 fit), and the sum
+//   the 4-bit weights less 8 multiply them in int16 (exact: 16 columns of 15 * 127 fit), and the sum
 //   meets the scale once in float32; Q4_1 adds c_i (m_i + 8 d_i) in float32. Everything else, and the
 //   scalar path: float32 x_i times the dequantized weight, in float32.
-// The grouping depends on the row's own selection only, and threads split the outputs (never the
-// channels), so a row's result is the same bits whatever rows, threads or selections share the call.
+// A row's sums depend on its own selection only, and threads split the outputs (never the channels),
+// so a row's result is the same bits whatever rows, threads or selections share the call.
 // Many rows (prefill): every channel, columns dequantized a tile at a time to float32 and
 // multiplied by torch's matrix product (the records stay the only copy of the weights).
 // Plain-torch reference: powerinfer/sparse/columns.py.
@@ -31,9 +33,9 @@
 
 namespace powerinfer {
 
-// Columns added to the outputs in one pass (loads and stores of y shared). 16 fit the int16 sums
-// too, but read from twice as many places at once: no faster from memory (measured, one thread).
-constexpr int COLUMN_BATCH = 8;
+// Channels per group: columns added to the outputs in one pass (loads and stores of y shared; at
+// 50 % skipped about 8 of them active).
+constexpr int COLUMN_BATCH = 16;
 static_assert(COLUMN_BATCH * 15 * 127 <= 32767, "int16 sums of 4-bit weights times int8 coefficients");
 
 // One matrix of a record: its outputs' blocks of `format`. Split (Q4_0, Q4_1): nibbles at q_off (16
@@ -45,16 +47,19 @@ struct ColumnPart {
   int64_t bytes() const { return n_blocks * format->bytes; }
 };
 
-// out[b * n + k] += sum_j c[j] * value k of block b of the part in record j, for blocks b in [b0, b1)
-// (recs[j]: record j; out: the part's first output), n <= COLUMN_BATCH.
-using ColumnKernel = void (*)(const uint8_t* const* recs, const float* c, int n, const ColumnPart& p, int64_t b0,
-                              int64_t b1, float* out);
+// For rows r: out[r * ld + b * N + k] += sum_j c[r * COLUMN_BATCH + j] * value k of block b of the
+// part in record j, for blocks b in [b0, b1) (recs[j]: record j; out: the part's first output; N:
+// the block's values), n <= COLUMN_BATCH.
+using ColumnKernel = void (*)(const uint8_t* const* recs, const float* c, int n, int rows, const ColumnPart& p,
+                              int64_t b0, int64_t b1, float* out, int64_t ld);
 
 namespace scalar {
-void axpy_columns(const uint8_t* const* recs, const float* c, int n, const ColumnPart& p, int64_t b0, int64_t b1, float* out);
+void axpy_columns(const uint8_t* const* recs, const float* c, int n, int rows, const ColumnPart& p, int64_t b0,
+                  int64_t b1, float* out, int64_t ld);
 }
 namespace avx2 {
-void axpy_columns(const uint8_t* const* recs, const float* c, int n, const ColumnPart& p, int64_t b0, int64_t b1, float* out);
+void axpy_columns(const uint8_t* const* recs, const float* c, int n, int rows, const ColumnPart& p, int64_t b0,
+                  int64_t b1, float* out, int64_t ld);
 }
 
 struct SparseInputProjection : Projection {

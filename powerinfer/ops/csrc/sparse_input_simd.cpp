@@ -70,62 +70,91 @@ inline void add_sums(float* o, __m256i lo, __m256i hi, float scale, float offset
 // q - 8, 8 sum_j k_j taken away in integers: the rounding errors then meet centred weights (Q4_1's
 // q - 0 would add them up); Q4_1 adds sum_j c_j (m_j + 8 d_j) in float32. The scales of 8 blocks
 // are converted and rounded together. Columns go in pairs: their bytes interleaved, one maddubs
-// multiplies both (an odd batch's last column pairs with itself, the partner's k 0).
-template <bool MIN>
-void axpy_q4_split(const uint8_t* const* recs, const float* c, int n, const ColumnPart& p, int64_t b0, int64_t b1, float* out) {
+// multiplies both (an odd group's last column pairs with itself, the partner's k 0); each pair is
+// unpacked once for up to ROW_CHUNK rows, each with its own k (0 where a row skips the channel).
+constexpr int ROW_CHUNK = 4;  // rows sharing one unpacking of the weights (two int16 sums each in registers)
+
+template <bool MIN, int ROWS>
+void axpy_q4_rows(const uint8_t* const* recs, const float* c, int n, const ColumnPart& p, int64_t b0, int64_t b1,
+                  float* out, int64_t ld) {
   constexpr int64_t GROUP = 8;
   constexpr int PAIRS = COLUMN_BATCH / 2;
-  alignas(32) int32_t k_pair[PAIRS][GROUP], k_sum[GROUP];  // k_pair: k of column 2p in the low byte, 2p + 1 in the high
-  alignas(32) float scale[GROUP], offset[GROUP];
+  // per row: k of column 2p in the low byte of k_pair[.][p], of 2p + 1 in the high one
+  alignas(32) int32_t k_pair[ROWS][PAIRS][GROUP], k_sum[ROWS][GROUP];
+  alignas(32) float scale[ROWS][GROUP], offset[ROWS][GROUP];
   const int pairs = (n + 1) / 2;
   const uint8_t* q[COLUMN_BATCH];
   for (int j = 0; j < 2 * pairs; ++j) q[j] = recs[std::min(j, n - 1)] + p.q_off;
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t g = b0; g < b1; g += GROUP) {
     const int64_t count = std::min(GROUP, b1 - g);
-    __m256 cd[COLUMN_BATCH], amax = _mm256_setzero_ps(), minimums = _mm256_setzero_ps();
+    __m256 d[COLUMN_BATCH], m[COLUMN_BATCH];
     for (int j = 0; j < 2 * pairs; ++j) {
-      if (j == n) {
-        cd[j] = _mm256_setzero_ps();
-        break;
+      d[j] = j < n ? halves(recs[j] + p.d_off + 2 * g, count) : _mm256_setzero_ps();
+      if constexpr (MIN) m[j] = j < n ? halves(recs[j] + p.m_off + 2 * g, count) : _mm256_setzero_ps();
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const float* cr = c + r * COLUMN_BATCH;
+      __m256 cd[COLUMN_BATCH], amax = _mm256_setzero_ps(), minimums = _mm256_setzero_ps();
+      for (int j = 0; j < 2 * pairs; ++j) {
+        const __m256 cj = _mm256_set1_ps(j < n ? cr[j] : 0.0f);
+        cd[j] = _mm256_mul_ps(cj, d[j]);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), cd[j]));
+        if constexpr (MIN) minimums = _mm256_fmadd_ps(cj, m[j], _mm256_fmadd_ps(_mm256_set1_ps(8.0f), cd[j], minimums));
       }
-      const __m256 cj = _mm256_set1_ps(c[j]);
-      cd[j] = _mm256_mul_ps(cj, halves(recs[j] + p.d_off + 2 * g, count));
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), cd[j]));
-      if constexpr (MIN)
-        minimums = _mm256_fmadd_ps(cj, halves(recs[j] + p.m_off + 2 * g, count), _mm256_fmadd_ps(_mm256_set1_ps(8.0f), cd[j], minimums));
+      // blocks whose coefficients are all 0 get k = 0
+      const __m256 inverse = _mm256_and_ps(_mm256_cmp_ps(amax, _mm256_setzero_ps(), _CMP_GT_OQ),
+                                           _mm256_div_ps(_mm256_set1_ps(INT8_X_MAX), amax));
+      __m256i sum = _mm256_setzero_si256();
+      for (int pair = 0; pair < pairs; ++pair) {
+        const __m256i first = _mm256_cvtps_epi32(_mm256_mul_ps(cd[2 * pair], inverse));
+        const __m256i second = _mm256_cvtps_epi32(_mm256_mul_ps(cd[2 * pair + 1], inverse));
+        const __m256i bytes = _mm256_set1_epi32(0xFF);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(k_pair[r][pair]),
+                           _mm256_or_si256(_mm256_and_si256(first, bytes), _mm256_slli_epi32(_mm256_and_si256(second, bytes), 8)));
+        sum = _mm256_add_epi32(sum, _mm256_add_epi32(first, second));
+      }
+      _mm256_store_si256(reinterpret_cast<__m256i*>(k_sum[r]), _mm256_slli_epi32(sum, 3));
+      _mm256_store_ps(scale[r], _mm256_div_ps(amax, _mm256_set1_ps(INT8_X_MAX)));
+      _mm256_store_ps(offset[r], minimums);
     }
-    // blocks whose coefficients are all 0 get k = 0
-    const __m256 inverse = _mm256_and_ps(_mm256_cmp_ps(amax, _mm256_setzero_ps(), _CMP_GT_OQ),
-                                         _mm256_div_ps(_mm256_set1_ps(INT8_X_MAX), amax));
-    __m256i sum = _mm256_setzero_si256();
-    for (int pair = 0; pair < pairs; ++pair) {
-      const __m256i first = _mm256_cvtps_epi32(_mm256_mul_ps(cd[2 * pair], inverse));
-      const __m256i second = _mm256_cvtps_epi32(_mm256_mul_ps(cd[2 * pair + 1], inverse));
-      const __m256i packed = _mm256_or_si256(_mm256_and_si256(first, _mm256_set1_epi32(0xFF)), _mm256_slli_epi32(_mm256_and_si256(second, _mm256_set1_epi32(0xFF)), 8));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(k_pair[pair]), packed);
-      sum = _mm256_add_epi32(sum, _mm256_add_epi32(first, second));
-    }
-    _mm256_store_si256(reinterpret_cast<__m256i*>(k_sum), _mm256_slli_epi32(sum, 3));
-    _mm256_store_ps(scale, _mm256_div_ps(amax, _mm256_set1_ps(INT8_X_MAX)));
-    _mm256_store_ps(offset, minimums);
     for (int64_t i = 0; i < count; ++i) {
       const int64_t b = g + i;
-      __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+      __m256i lo[ROWS], hi[ROWS];
+      for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
       for (int pair = 0; pair < pairs; ++pair) {
         // byte t of a block: weight t in its low nibble, weight t + 16 in its high one; interleaved,
         // byte 2t is column 2p's and 2t + 1 column 2p + 1's
         const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[2 * pair] + 16 * b));
-        const __m128i c2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[2 * pair + 1] + 16 * b));
-        const __m256i v = _mm256_set_m128i(_mm_unpackhi_epi8(a, c2), _mm_unpacklo_epi8(a, c2));
-        const __m256i kk = _mm256_set1_epi16(static_cast<int16_t>(k_pair[pair][i]));
-        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(v, low), kk));
-        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), kk));
+        const __m128i a2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[2 * pair + 1] + 16 * b));
+        const __m256i v = _mm256_set_m128i(_mm_unpackhi_epi8(a, a2), _mm_unpacklo_epi8(a, a2));
+        const __m256i v_low = _mm256_and_si256(v, low), v_high = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < ROWS; ++r) {
+          const __m256i kk = _mm256_set1_epi16(static_cast<int16_t>(k_pair[r][pair][i]));
+          lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(v_low, kk));
+          hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(v_high, kk));
+        }
       }
-      const __m256i eight_sum = _mm256_set1_epi16(static_cast<int16_t>(k_sum[i]));
-      lo = _mm256_sub_epi16(lo, eight_sum);
-      hi = _mm256_sub_epi16(hi, eight_sum);
-      add_sums(out + b * QK, lo, hi, scale[i], MIN ? offset[i] : 0.0f);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i eight_sum = _mm256_set1_epi16(static_cast<int16_t>(k_sum[r][i]));
+        add_sums(out + r * ld + b * QK, _mm256_sub_epi16(lo[r], eight_sum), _mm256_sub_epi16(hi[r], eight_sum), scale[r][i],
+                 MIN ? offset[r][i] : 0.0f);
+      }
+    }
+  }
+}
+
+template <bool MIN>
+void axpy_q4_split(const uint8_t* const* recs, const float* c, int n, int rows, const ColumnPart& p, int64_t b0,
+                   int64_t b1, float* out, int64_t ld) {
+  for (int r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
+    const float* cr = c + r0 * COLUMN_BATCH;
+    float* o = out + r0 * ld;
+    switch (std::min(ROW_CHUNK, rows - r0)) {
+      case 1: axpy_q4_rows<MIN, 1>(recs, cr, n, p, b0, b1, o, ld); break;
+      case 2: axpy_q4_rows<MIN, 2>(recs, cr, n, p, b0, b1, o, ld); break;
+      case 3: axpy_q4_rows<MIN, 3>(recs, cr, n, p, b0, b1, o, ld); break;
+      default: axpy_q4_rows<MIN, 4>(recs, cr, n, p, b0, b1, o, ld);
     }
   }
 }
@@ -178,16 +207,24 @@ void axpy_q4_k(const uint8_t* const* recs, const float* c, int n, const ColumnPa
 
 }  // namespace
 
-void axpy_columns(const uint8_t* const* recs, const float* c, int n, const ColumnPart& p, int64_t b0, int64_t b1, float* out) {
+void axpy_columns(const uint8_t* const* recs, const float* c, int n, int rows, const ColumnPart& p, int64_t b0,
+                  int64_t b1, float* out, int64_t ld) {
   const BlockFormat& f = *p.format;
-  if (p.split) return p.m_off >= 0 ? axpy_q4_split<true>(recs, c, n, p, b0, b1, out) : axpy_q4_split<false>(recs, c, n, p, b0, b1, out);
-  switch (f.type) {
-    case GgmlType::Q8_0: return axpy_q8_0(recs, c, n, p, b0, b1, out);
-    case GgmlType::Q4_K: return axpy_q4_k(recs, c, n, p, b0, b1, out);
-    default: {
-      // the neuron kernels' block rows (bits 0): the blocks [b0, b1) as one section
-      const Section s{p.q_off + b0 * f.bytes, -1, -1, 0, (b1 - b0) * f.n, &f};
-      axpy_rows(recs, c, n, s, out + b0 * f.n);
+  if (p.split) {
+    if (p.m_off >= 0) return axpy_q4_split<true>(recs, c, n, rows, p, b0, b1, out, ld);
+    return axpy_q4_split<false>(recs, c, n, rows, p, b0, b1, out, ld);
+  }
+  for (int r = 0; r < rows; ++r) {  // float32: each row on its own
+    const float* cr = c + r * COLUMN_BATCH;
+    float* o = out + r * ld;
+    switch (f.type) {
+      case GgmlType::Q8_0: axpy_q8_0(recs, cr, n, p, b0, b1, o); break;
+      case GgmlType::Q4_K: axpy_q4_k(recs, cr, n, p, b0, b1, o); break;
+      default: {
+        // the neuron kernels' block rows (bits 0): the blocks [b0, b1) as one section
+        const Section s{p.q_off + b0 * f.bytes, -1, -1, 0, (b1 - b0) * f.n, &f};
+        axpy_rows(recs, cr, n, s, o + b0 * f.n);
+      }
     }
   }
 }
