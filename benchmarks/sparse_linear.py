@@ -158,7 +158,7 @@ def main() -> None:
         f"# Input-sparse linears on column records vs the dense row layout, Llama-2-7B widths\n\n"
         f"Measured {datetime.date.today()} on {machine}; {isa} kernels, {args.threads} threads, {args.clock} clock; memory read bandwidth "
         f"measured in the same run: {bandwidth:.1f} GB/s. Dense: QuantLinear on the type's rows; columns: "
-        "SparseInputProjection on the same type's column records; ratio = dense time / column time (higher: the "
+        "SparseInputProjection on records of the pair's column type; ratio = dense time / column time (higher: the "
         "column layout is faster); GB/s: bytes read per second (dense: the matrix; columns: the union of the "
         "rows' selected columns). Weights from memory (copies rotate).\n\n" + "\n".join(lines) +
         "\n\nRe-quantization error of the column records: a 2048 x 2048 Gaussian matrix (1 % outliers) quantized by "
