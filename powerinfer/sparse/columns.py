@@ -29,8 +29,10 @@ from powerinfer.ops.linear import Linear, mapped_tensor
 from powerinfer.ops.quant import BLOCK_TYPES, T, dequantize_rows
 
 # Calls with more rows than this compute every channel (prefill): a union of many rows' channels
-# is most of them, and a matrix product of dequantized tiles is then faster than column sums.
-SPARSE_MAX_ROWS = 8
+# is most of them, and a matrix product of dequantized tiles is then faster than column sums
+# (measured, 4096 x 4096 Q4_0, one thread, AVX2: 9 rows 5.4 ms sparse vs 13.3 ms tiles, 64 rows
+# 35 vs 30 ms).
+SPARSE_MAX_ROWS = 32
 
 
 @dataclass(frozen=True)

@@ -59,8 +59,10 @@ ColumnKernel column_kernel() {
   }
 }
 
-// Prefill: columns dequantized per tile of channels of at most this many float32 bytes.
-constexpr int64_t TILE_BYTES = 16 << 20;
+// Prefill: columns dequantized per tile of channels of at most this many float32 bytes, which stay
+// in cache for the product (measured, 4096 x 4096 Q4_0, 9 rows, one thread: 16 MiB tiles 27 ms,
+// 1 MiB 13 ms).
+constexpr int64_t TILE_BYTES = 1 << 20;
 
 // The outputs [begin, end) of one task, as a block range per part: blocks [block(begin), block(end)),
 // rounding each bound up to a whole block, so neighbouring tasks share no block and miss none.
@@ -219,9 +221,18 @@ torch::Tensor SparseInputProjection::all_channels(const torch::Tensor& x) const 
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         float* row = columns + i * out_features;
-        std::fill(row, row + out_features, 0.0f);
         const uint8_t* record = base + (i0 + i) * stride;
-        for (const ColumnPart& p : parts_) kernel(&record, &one, 1, 1, p, 0, p.n_blocks, row + p.first_output, 0);
+        for (const ColumnPart& p : parts_) {
+          float* values = row + p.first_output;
+#ifdef POWERINFER_X86
+          if (p.split && active_isa() != Isa::SCALAR) {  // the values themselves: no coefficients to round
+            avx2::dequantize_split(record, p, values);
+            continue;
+          }
+#endif
+          std::fill(values, values + p.n_blocks * p.format->n, 0.0f);
+          kernel(&record, &one, 1, 1, p, 0, p.n_blocks, values, 0);
+        }
       }
     });
     y.addmm_(x.narrow(1, i0, n), tile.narrow(0, 0, n));

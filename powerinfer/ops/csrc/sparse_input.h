@@ -60,6 +60,8 @@ void axpy_columns(const uint8_t* const* recs, const float* c, int n, int rows, c
 namespace avx2 {
 void axpy_columns(const uint8_t* const* recs, const float* c, int n, int rows, const ColumnPart& p, int64_t b0,
                   int64_t b1, float* out, int64_t ld);
+// out[k] = value k of a split (Q4_0, Q4_1) part of record `rec`, float32 (the prefill path's tiles)
+void dequantize_split(const uint8_t* rec, const ColumnPart& p, float* out);
 }
 
 struct SparseInputProjection : Projection {

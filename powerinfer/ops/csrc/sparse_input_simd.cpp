@@ -207,6 +207,20 @@ void axpy_q4_k(const uint8_t* const* recs, const float* c, int n, const ColumnPa
 
 }  // namespace
 
+void dequantize_split(const uint8_t* rec, const ColumnPart& p, float* out) {
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  for (int64_t b = 0; b < p.n_blocks; ++b) {
+    const float d = half(rec + p.d_off + 2 * b), m = p.m_off >= 0 ? half(rec + p.m_off + 2 * b) : -8.0f * d;
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    const uint8_t* q = rec + p.q_off + 16 * b;
+    const __m256i first = widen_u8(q), second = widen_u8(q + 8);  // bytes 0-7, 8-15: weights t and t + 16
+    const __m256i parts[4] = {_mm256_and_si256(first, low), _mm256_and_si256(second, low), _mm256_srli_epi32(first, 4),
+                              _mm256_srli_epi32(second, 4)};
+    for (int part = 0; part < 4; ++part)
+      _mm256_storeu_ps(out + b * QK + 8 * part, _mm256_fmadd_ps(_mm256_cvtepi32_ps(parts[part]), vd, vm));
+  }
+}
+
 void axpy_columns(const uint8_t* const* recs, const float* c, int n, int rows, const ColumnPart& p, int64_t b0,
                   int64_t b1, float* out, int64_t ld) {
   const BlockFormat& f = *p.format;
