@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from powerinfer.cli import MULTI_LETTER_FLAG, build_parser, main
+from powerinfer.cli import main, parse_args
+from powerinfer.commands import COMMANDS, command_module
+from powerinfer.commands.parsing import MULTI_LETTER_FLAG
 
 MODEL_COMMANDS = ["run", "chat", "bench", "serve", "perplexity", "profile", "train-predictors"]
 # llama.cpp's several-letter single-dash flags that we accept, per command, with a value and the
@@ -33,12 +35,11 @@ REQUIRED = {"perplexity": ["-f", "t.txt"], "profile": ["-f", "t.txt", "-o", "out
 
 
 def command_parsers() -> dict[str, argparse.ArgumentParser]:
-    parser = build_parser()
-    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    return {name: command_module(name).build_parser() for name in COMMANDS}
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    return build_parser().parse_args(list(argv))
+    return parse_args(list(argv))
 
 
 @pytest.mark.parametrize("command, flag, value, dest, expected",
