@@ -10,7 +10,6 @@ import torch
 
 from powerinfer.cli import main
 
-
 # ~USER of a user this machine does not have: pathlib's expanduser raises RuntimeError for it.
 NO_SUCH_USER_PATH = "~powerinfer-no-such-user/model.gguf"
 
