@@ -108,10 +108,12 @@ def main(args: argparse.Namespace) -> int:
     if stray and not args.ray:
         raise PowerInferError(f"--{stray[0].replace('_', '-')} needs --ray")
     if args.ray:
-        from powerinfer.server.ray_app import deployment_options, serve_on_ray
+        from powerinfer.server import ray_app
 
-        deployment_options(args)  # bad flags are refused before the model is looked for
-        return serve_on_ray(args, serve_settings(args))
+        # bad flags and a missing 'ray' extra are refused before the model is looked for (and fetched)
+        ray_app.deployment_options(args)
+        ray_app.import_ray(args.address)
+        return ray_app.serve_on_ray(args, serve_settings(args))
     try:
         import uvicorn
 
