@@ -25,7 +25,7 @@ from powerinfer.models.layers import (
 from powerinfer.models.moe import layer_ffn
 from powerinfer.models.tensors import rms_decoder_tensors
 from powerinfer.ops import native
-from powerinfer.ops.linear import BiasedLinear, Int4Linear, Linear, QuantLinear, float_vector
+from powerinfer.ops.linear import BiasedLinear, float_vector
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
 
 
@@ -107,13 +107,12 @@ class LlamaBlock(Block):
         qkv, bias = (a.qkv.linear, a.qkv.bias) if isinstance(a.qkv, BiasedLinear) else (a.qkv, None)
         dense = isinstance(self.ffn, DenseFFN)
         projections = [qkv, a.output] + ([self.ffn.up, self.ffn.down] if dense else [])
-        if ops is None or not all(isinstance(p, (Int4Linear, QuantLinear)) for p in projections):
+        if ops is None or any(p.native is None for p in projections):
             return None
-        project = lambda p: _native_projection(ops, p)  # noqa: E731
         norm = lambda n: None if n is None else ops.RMSNorm(n.scaled_weight, n.eps_term)  # noqa: E731
         return ops.BlockStep(
-            norm(self.attn_norm), project(qkv), project(a.output), _attention_spec(ops, a), norm(self.ffn_norm),
-            project(self.ffn.up) if dense else None, project(self.ffn.down) if dense else None,
+            norm(self.attn_norm), qkv.native, a.output.native, _attention_spec(ops, a), norm(self.ffn_norm),
+            self.ffn.up.native if dense else None, self.ffn.down.native if dense else None,
             native.activation(self.ffn.activation),
             ops.BlockExtras(qkv_bias=bias, qk_norm=norm(a.options.qk_norm),
                             post_attention_norm=norm(self.post_attention_norm), post_ffw_norm=norm(self.post_ffw_norm)),
@@ -125,13 +124,6 @@ def _attention_spec(ops, attention: Attention):
     rope, o = attention.rope, attention.options
     return ops.AttentionSpec(attention.n_head, attention.n_head_kv, rope.rope_dim, neox=not rope.interleaved,
                              window=o.window, scale=o.scale, softcap=o.softcap)
-
-
-def _native_projection(ops, linear: Linear):
-    """The C++ step's handle on a quantized linear layer (same kernel as its Python call)."""
-    if isinstance(linear, QuantLinear):
-        return linear.projection
-    return ops.Int4Projection(linear.packed, linear.scale_zero, linear.out_features, linear.input_repeats)
 
 
 class LlamaModel(DecoderLM):

@@ -25,7 +25,7 @@ import math
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from functools import cache, reduce
+from functools import cache, cached_property, reduce
 from typing import Literal
 
 import numpy as np
@@ -86,6 +86,12 @@ class Linear(ABC):
     @abstractmethod
     def nbytes(self) -> int:
         """Bytes of weight data read per call (for bandwidth figures)."""
+
+    @property
+    def native(self):
+        """The C++ projection (csrc/projection.h) that runs this layer inside the native decode
+        step, or None where the layer has none (the step then falls back to Python)."""
+        return None
 
 
 class DenseLinear(Linear):
@@ -171,6 +177,12 @@ class Int4Linear(Linear):
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scale_zero.nbytes
 
+    @cached_property
+    def native(self):
+        ops = native.load()
+        return None if ops is None or not self.packed.is_cpu else \
+            ops.Int4Projection(self.packed, self.scale_zero, self.out_features, self.input_repeats)
+
 
 INT4_SCALE_DTYPE = torch.bfloat16
 
@@ -248,6 +260,10 @@ class QuantLinear(Linear):
     @property
     def nbytes(self) -> int:
         return sum(chunks.nbytes for chunks in self.projection.chunks)
+
+    @property
+    def native(self):
+        return self.projection
 
 
 # A tensor larger than this is repacked in slices of rows, so that the file pages it is read from
