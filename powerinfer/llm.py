@@ -18,7 +18,6 @@ from powerinfer.gguf.reader import GGUFFile, open_gguf
 from powerinfer.hub import resolve_model
 from powerinfer.models import load_model, read_config
 from powerinfer.models.ffn import FFNOptions
-from powerinfer.models.predictor import has_predictors
 from powerinfer.options import (
     DEFAULT_DTYPE,
     DEFAULT_N_BATCH,
@@ -145,7 +144,8 @@ class LLM:
         self.file_size = gguf.file_size
         self.n_params = sum(t.n_elements for t in gguf.tensors.values())
         self.quant_label = file_type_label(gguf)  # llama.cpp's label, e.g. "Q4_K - Medium"
-        self.sparsity = sparsity if sparsity != "auto" else "predictors" if has_predictors(gguf) else "off"
+        predicted = any(getattr(unit.ffn, "mode", None) == "auto" for unit in self.model.ffn_units())
+        self.sparsity = sparsity if sparsity != "auto" else "predictors" if predicted else "off"
         self.load_seconds = time.perf_counter() - started
 
     def summary(self) -> str:

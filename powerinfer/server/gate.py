@@ -79,13 +79,7 @@ class RequestGate:
                 await _answer(send, refusal.status, refusal.message,
                               "unavailable_error" if refusal.status == 503 else "invalid_request_error", close=True)
                 return
-            try:
-                body.decode("utf-8")
-            except UnicodeDecodeError as error:
-                await _answer(send, 400, f"the request body is not valid UTF-8 ({error.reason} at byte {error.start})",
-                              "invalid_request_error")
-                return
-            receive = _replay(body, receive)
+            receive = _replay(body, receive)  # decoded and parsed off the event loop: powerinfer/server/bodies.py
         await self.app(scope, receive, send)
 
     def _refusal(self, scope: Scope, headers: dict[str, str]) -> tuple[int, str, str] | None:
