@@ -27,6 +27,7 @@ from powerinfer.commands.parsing import (
     positive_int,
 )
 from powerinfer.errors import PowerInferError
+from powerinfer.ops import native
 from powerinfer.server.limits import (
     DEFAULT_KEEP_ALIVE,
     DEFAULT_MAX_BODY_MEMORY,
@@ -116,6 +117,23 @@ def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
                         **sparsity_settings(args))
 
 
+MODEL_CHANGED_EXIT = 74  # sysexits' EX_IOERR: the served file failed under the server
+
+
+def exit_if_the_model_changes(model: Any) -> None:
+    """A model file rewritten in place while mapped (cp over it, truncate) faults on the next read
+    of a page it lost (SIGBUS, inside a kernel): the native handler makes that one line and exit
+    status MODEL_CHANGED_EXIT. Without the native module, faulthandler prints every thread's stack:
+    never a silent death."""
+    if sys.__stderr__ is not None:  # the process's own stderr, even while sys.stderr is replaced
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    ops = native.load()
+    if ops is not None:
+        ops.exit_on_bus_error(f"powerinfer serve: error: {model} was changed while served (truncated or rewritten "
+                              "in place, as cp does); exiting. Replace a served file by a rename (mv).\n",
+                              MODEL_CHANGED_EXIT)
+
+
 def main(args: argparse.Namespace) -> int:
     stray = [name for name in RAY_OPTIONS if vars(args)[name] is not None]
     if stray and not args.ray:
@@ -137,15 +155,12 @@ def main(args: argparse.Namespace) -> int:
         raise PowerInferError(f"the server needs the 'serve' extra (pip install 'powerinfer[serve]'): {error}") from None
     from powerinfer.llm import LLM
 
-    # A model file rewritten in place while mapped (cp over it, truncate) faults on the next read
-    # of a missing page: say so on stderr, with every thread's stack, rather than die silently.
-    if sys.__stderr__ is not None:  # the process's own stderr, even while sys.stderr is replaced
-        faulthandler.enable(file=sys.__stderr__, all_threads=True)
     # A missing, foreign or unsupported file is refused before the server starts; rarer load
     # failures stop the server once it runs (it answers 503 on /health while loading).
     options = app_options(args)
     settings = serve_settings(args)
     check_model(settings["model"], args.ctx_size, args.parallel)
+    exit_if_the_model_changes(settings["model"])
     sock = listen(args.host, args.port)
     failures: list[Exception] = []
 
