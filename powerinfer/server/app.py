@@ -32,8 +32,15 @@ from powerinfer.runtime.scheduler import Scheduler, one_slice
 from powerinfer.runtime.sequence import GenerationSequence
 from powerinfer.server.bodies import body_workers, json_body
 from powerinfer.server.errors import APIError, install_handlers
-from powerinfer.server.gate import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_MEMORY, DEFAULT_MAX_BODY_SIZE, RequestGate
+from powerinfer.server.gate import RequestGate
 from powerinfer.server.generation import ClientGone, Generation, sliced_result
+from powerinfer.server.limits import (
+    DEFAULT_MAX_BODY_MEMORY,
+    DEFAULT_MAX_BODY_SIZE,
+    DEFAULT_MAX_EMBEDDING_TOKENS,
+    DEFAULT_READ_TIMEOUT,
+    DEFAULT_WATCHDOG_SECONDS,
+)
 from powerinfer.server.metrics import Metrics
 from powerinfer.server.model_names import ANY_NAME, ModelNames
 from powerinfer.server.rendering import json_answer
@@ -43,8 +50,6 @@ from powerinfer.server.request_log import RequestLog, note_generation
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-DEFAULT_WATCHDOG_SECONDS = 120.0  # a prefill of a long prompt on a large model is one step
-DEFAULT_MAX_EMBEDDING_TOKENS = 32768  # per /v1/embeddings request, all its inputs together
 # Each route's body, parsed and validated off the event loop.
 TokenizeBody = json_body(schemas.TokenizeRequest)
 DetokenizeBody = json_body(schemas.DetokenizeRequest)
@@ -125,7 +130,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
                allowed_hosts: Collection[str] | None = None, api_keys: Collection[str] = (),
                max_body_size: int = DEFAULT_MAX_BODY_SIZE,
                watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS, replica: str | None = None,
-               max_embedding_tokens: int = DEFAULT_MAX_EMBEDDING_TOKENS, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+               max_embedding_tokens: int = DEFAULT_MAX_EMBEDDING_TOKENS, body_timeout: float = DEFAULT_READ_TIMEOUT,
                max_body_memory: int = DEFAULT_MAX_BODY_MEMORY, model_names: ModelNames = ANY_NAME) -> FastAPI:
     """The server app over `llm` (or a function that loads it), with `parallel` KV-cache slots.
 
