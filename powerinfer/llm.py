@@ -19,6 +19,7 @@ from powerinfer.hub import resolve_model
 from powerinfer.models import load_model, read_config
 from powerinfer.models.ffn import FFNOptions
 from powerinfer.models.predictor import has_predictors
+from powerinfer.sparse.storage import TARGET_KEY, is_sparsified
 from powerinfer.options import DTYPES, SPARSITY_MODES, CacheType, DType, SparsityMode
 from powerinfer.runtime.constraint import Constraint
 from powerinfer.runtime.engine import Engine
@@ -60,8 +61,9 @@ class LLM:
     `cache_type`: what the KV cache holds in CPU memory, "f16" (llama.cpp's default; half the memory)
     or "f32" (the default with dtype="float32"); an accelerator's cache is float16.
 
-    `sparsity`: "auto" computes only the FFN neurons the model's predictors expect to fire (dense
-    when the file has no predictors); "off" computes all of them; "oracle" computes every activation
+    `sparsity`: "auto" computes only the FFN neurons the model's predictors expect to fire, or, in a
+    `sparsify` output, only the input channels of each linear above their thresholds (dense when the
+    file has neither); "off" computes all of them; "oracle" computes every activation
     and skips the neurons with |activation| <= a per-layer threshold (`thresholds`, else the file's
     calibrated ones, else 0 for ReLU-family models) in the down projection: for verification.
 
@@ -123,6 +125,8 @@ class LLM:
             raise PowerInferError(f"{len(thresholds)} thresholds given for a model of {self.config.n_ffn_units} FFNs "
                                   "(one per layer, or per expert)")
         placed = vram_budget is not None or n_gpu_layers is not None
+        if placed and is_sparsified(gguf):
+            raise PowerInferError(f"{self.path}: a sparsified file runs on the CPU only; place its dense source instead")
         if placed and dtype == "float32":
             raise PowerInferError("placing weights on an accelerator needs dtype 'auto' (float32 mode runs on the CPU)")
         self.placement = self._placement(gguf, parallel, vram_budget, n_gpu_layers, gpu_index, activations,
@@ -136,7 +140,8 @@ class LLM:
         self.file_size = gguf.file_size
         self.n_params = sum(t.n_elements for t in gguf.tensors.values())
         self.quant_label = file_type_label(gguf)  # llama.cpp's label, e.g. "Q4_K - Medium"
-        self.sparsity = sparsity if sparsity != "auto" else "predictors" if has_predictors(gguf) else "off"
+        self.sparsity = sparsity if sparsity != "auto" else "predictors" if has_predictors(gguf) else \
+            f"inputs {gguf.get(TARGET_KEY):.0%}" if is_sparsified(gguf) else "off"
         self.load_seconds = time.perf_counter() - started
 
     def summary(self) -> str:
