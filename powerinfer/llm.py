@@ -19,20 +19,29 @@ from powerinfer.hub import resolve_model
 from powerinfer.models import load_model, read_config
 from powerinfer.models.ffn import FFNOptions
 from powerinfer.models.predictor import has_predictors
-from powerinfer.sparse.storage import TARGET_KEY, is_sparsified
-from powerinfer.options import DTYPES, SPARSITY_MODES, CacheType, DType, SparsityMode
+from powerinfer.options import (
+    DEFAULT_DTYPE,
+    DEFAULT_N_BATCH,
+    DEFAULT_SPARSITY,
+    DTYPES,
+    SPARSITY_MODES,
+    CacheType,
+    DType,
+    SparsityMode,
+    context_size,
+)
 from powerinfer.runtime.constraint import Constraint
 from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.kv_cache import CACHE_TYPES, cache_bytes, check_cache_fits
 from powerinfer.runtime.sampling import SamplingParams
 from powerinfer.runtime.sequence import Completion, GenerationSequence
+from powerinfer.sparse.storage import TARGET_KEY, is_sparsified
 from powerinfer.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from powerinfer.placement.planner import GPUIndexMode
     from powerinfer.placement.spec import Placement
 
-DEFAULT_N_CTX = 4096
 Prompt = str | Sequence[int]
 Messages = Sequence[dict[str, str]]
 
@@ -85,8 +94,8 @@ class LLM:
     def __init__(self, model: str | os.PathLike[str] | None = None, *, threads: int | None = None,
                  model_path: str | os.PathLike[str] | None = None, n_threads: int | None = None,
                  chat_format: str | None = None,
-                 n_ctx: int | None = None, n_batch: int = 512, dtype: DType = "auto",
-                 sparsity: SparsityMode = "auto", thresholds: Sequence[float] | None = None,
+                 n_ctx: int | None = None, n_batch: int = DEFAULT_N_BATCH, dtype: DType = DEFAULT_DTYPE,
+                 sparsity: SparsityMode = DEFAULT_SPARSITY, thresholds: Sequence[float] | None = None,
                  vram_budget: float | None = None, n_gpu_layers: int | None = None, gpu_index: GPUIndexMode = "reuse",
                  activations: str | os.PathLike[str] | None = None, accelerator: str | torch.device | None = None,
                  parallel: int = 1, cache_type: CacheType | None = None, chat_template: str | None = None):
@@ -114,7 +123,7 @@ class LLM:
         if chat_template is not None:
             self.tokenizer.use_chat_template(chat_template)
         gguf.drop_metadata("tokenizer.ggml.")  # the vocabulary is the tokenizer's now
-        self.n_ctx = n_ctx or min(DEFAULT_N_CTX, self.config.n_ctx_train)
+        self.n_ctx = context_size(n_ctx, self.config.n_ctx_train)
         self.n_batch = n_batch
         if self.n_ctx < 1:
             raise PowerInferError("n_ctx must be >= 1")

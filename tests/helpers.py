@@ -19,7 +19,6 @@ import uvicorn
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, quants
 
-from powerinfer.commands.serve import listen
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.reader import PWRI_MAGIC, GGUFTensor
 from powerinfer.models import load_model, read_config
@@ -30,6 +29,7 @@ from powerinfer.placement.gpu_index import index_path, write_gpu_index
 from powerinfer.placement.solver import Plan
 from powerinfer.runtime.engine import Engine
 from powerinfer.server.connections import ConnectionLimits, server_config
+from powerinfer.server.startup import listen
 
 from conftest import quantized_rows
 

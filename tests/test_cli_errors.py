@@ -10,6 +10,9 @@ import torch
 
 from powerinfer.cli import main
 
+# ~USER of a user this machine does not have: pathlib's expanduser raises RuntimeError for it.
+NO_SUCH_USER_PATH = "~powerinfer-no-such-user/model.gguf"
+
 
 @pytest.fixture(scope="module")
 def bad(tmp_path_factory) -> dict[str, str]:
@@ -26,7 +29,8 @@ def bad(tmp_path_factory) -> dict[str, str]:
     (wrong / "activation").mkdir(parents=True)
     torch.save({"not": "a tensor"}, wrong / "activation" / "activation_0.pt")
     return {"missing": str(root / "missing.gguf"), "folder": str(root / "folder"), "text": str(root / "text.gguf"),
-            "binary": str(root / "binary.txt"), "corrupt": str(corrupt), "wrong": str(wrong), "out": str(root / "out")}
+            "binary": str(root / "binary.txt"), "corrupt": str(corrupt), "wrong": str(wrong), "out": str(root / "out"),
+            "unknown user": NO_SUCH_USER_PATH}
 
 
 def model_commands(model: str, out: str, text_file: str) -> list[list[str]]:
@@ -53,7 +57,7 @@ def assert_one_line_error(argv: list[str], capsys) -> str:
 
 
 @pytest.mark.parametrize("kind, fragment", [("missing", "no such file"), ("folder", "is a directory"),
-                                            ("text", "not a GGUF file")])
+                                            ("text", "not a GGUF file"), ("unknown user", "no such file")])
 @pytest.mark.parametrize("index", range(10))
 def test_bad_model_file(bad, kind, fragment, index, tmp_path, capsys):
     text_file = tmp_path / "t.txt"
@@ -111,3 +115,12 @@ def test_calibration_outputs_and_tokens_are_checked_before_the_model_loads(tmp_p
     message = assert_one_line_error([command, "-m", missing_model, "-f", text, "-o", str(tmp_path / "out"),
                                      "--tokens", "10"], capsys)
     assert "--tokens 10: calibration needs at least" in message
+
+
+def test_chat_template_of_an_unknown_user_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "-p", "hi", "--chat-template", NO_SUCH_USER_PATH])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert f"chat template '{NO_SUCH_USER_PATH}' is neither a built-in" in err[0]
+

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from powerinfer.cli import MULTI_LETTER_FLAG, build_parser, main
+from powerinfer.cli import main, parse_args
+from powerinfer.commands import COMMANDS, command_module
+from powerinfer.commands.parsing import MULTI_LETTER_FLAG
 
 MODEL_COMMANDS = ["run", "chat", "bench", "serve", "perplexity", "profile", "train-predictors"]
 # llama.cpp's several-letter single-dash flags that we accept, per command, with a value and the
@@ -33,12 +35,11 @@ REQUIRED = {"perplexity": ["-f", "t.txt"], "profile": ["-f", "t.txt", "-o", "out
 
 
 def command_parsers() -> dict[str, argparse.ArgumentParser]:
-    parser = build_parser()
-    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    return {name: command_module(name).build_parser() for name in COMMANDS}
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    return build_parser().parse_args(list(argv))
+    return parse_args(list(argv))
 
 
 @pytest.mark.parametrize("command, flag, value, dest, expected",
@@ -122,3 +123,55 @@ def test_run_needs_a_prompt_unless_it_converses(capsys):
     assert "-p/--prompt or -f/--file is required" in capsys.readouterr().err
     assert main(["run", "-m", "/nonexistent.gguf", "-p", "x", "-sys", "brief"]) == 2
     assert "add -cnv" in capsys.readouterr().err
+
+
+def test_every_command_owns_its_parser_and_main():
+    for name, summary in COMMANDS.items():
+        module = command_module(name)
+        parser = module.build_parser()
+        assert (parser.prog, parser.description) == (f"powerinfer {name}", summary)
+        assert callable(module.main)
+
+
+def test_help_lists_every_command_without_loading_one():
+    """`powerinfer --help` names each command with its summary, importing no command (nor torch)."""
+    import ast
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom powerinfer.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n"
+            "    print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('powerinfer.commands.')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    help_text, loaded = result.stdout.rsplit("\n", 2)[:2]
+    modules = {f"powerinfer.commands.{name.replace('-', '_')}" for name in COMMANDS} | {"torch"}
+    assert not modules & set(ast.literal_eval(loaded)), loaded
+    for name, summary in COMMANDS.items():
+        assert re.search(rf"^  {re.escape(name)} +{re.escape(summary)}$", help_text, re.MULTILINE), name
+
+
+def test_the_server_imports_nothing_of_the_cli():
+    """powerinfer/server/ is below the CLI: serve's command uses it, never the other way round."""
+    import ast
+
+    server = Path(__file__).parent.parent / "powerinfer" / "server"
+    for path in server.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            assert not any(n == "powerinfer.cli" or n.startswith("powerinfer.commands") for n in names), path.name
+
+
+def test_flag_defaults_are_the_apis():
+    """The CLI's defaults are the Python API's: one definition (powerinfer/options.py) for both."""
+    import inspect
+
+    from powerinfer.commands.generation_flags import sampling_settings
+    from powerinfer.llm import LLM
+    from powerinfer.runtime.sampling import SamplingParams
+
+    args = parse("run", "-p", "x")
+    assert SamplingParams(**sampling_settings(args)) == SamplingParams()
+    defaults = inspect.signature(LLM).parameters
+    assert (args.dtype, args.sparsity, args.batch_size) == (defaults["dtype"].default, defaults["sparsity"].default,
+                                                            defaults["n_batch"].default)

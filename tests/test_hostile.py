@@ -29,7 +29,7 @@ from starlette.testclient import TestClient
 
 from powerinfer import LLM
 from powerinfer.api.schemas import MAX_TOKEN_IDS
-from powerinfer.cli import is_utf8
+from powerinfer.commands.parsing import is_utf8
 from powerinfer.errors import ModelFileError
 from powerinfer.gguf import open_gguf
 from powerinfer.logs import MAX_LOGGED_CHARS
@@ -478,11 +478,9 @@ REQUIRED_ARGS = {"perplexity": ["-f", "t.txt"], "profile": ["-f", "t.txt", "-o",
 
 @functools.cache
 def command_parsers() -> dict:
-    import argparse
+    from powerinfer.commands import COMMANDS, command_module
 
-    from powerinfer.cli import build_parser
-
-    return next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    return {name: command_module(name).build_parser() for name in COMMANDS}
 
 
 def typed_flags() -> list[tuple[str, str]]:

@@ -256,7 +256,7 @@ def test_without_cuda_a_budget_is_a_one_line_note(f32_copy, capsys):
 
 
 def test_cli_flags_reach_the_hybrid_engine(f32_copy, capsys):
-    from powerinfer.cli import build_parser, main
+    from powerinfer.cli import main, parse_args
 
     budget = place_everything(f32_copy)
     args = ["run", "-m", str(f32_copy), "-p", "Once upon a time", "-n", "8", "--temp", "0", "-c", str(N_CTX)]
@@ -265,7 +265,7 @@ def test_cli_flags_reach_the_hybrid_engine(f32_copy, capsys):
     assert "placement on cpu: 2/2 layers" in err
     assert out.rstrip("\n") == LLM(f32_copy, n_ctx=N_CTX).generate("Once upon a time", max_tokens=8, temperature=0)
     with pytest.raises(SystemExit) as exit_info:
-        build_parser().parse_args([*args, "--reset-gpu-index", "--disable-gpu-index"])
+        parse_args([*args, "--reset-gpu-index", "--disable-gpu-index"])
     assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 

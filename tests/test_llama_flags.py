@@ -7,14 +7,14 @@ import httpx
 import openai
 import pytest
 
-from powerinfer.cli import build_parser
+from powerinfer.cli import parse_args
 from powerinfer.commands.llama_flags import NO_EFFECT, note_flags_without_effect
 from powerinfer.server.app import create_app
 from powerinfer.server.model_names import ModelNames
 
 from helpers import ServerThread, assert_error, assert_one_line_error, powerinfer
 
-parse = build_parser().parse_args
+parse = parse_args
 
 
 def test_run_accepts_llama_cpps_model_flags(default_model, default_llm):
@@ -41,16 +41,18 @@ def test_flags_without_effect_say_so_once(capsys, argv, dests):
 
 
 def test_batch_size_and_cache_types_work(default_model):
-    from powerinfer.commands.common import load_llm
+    from powerinfer.commands.generation_flags import generation_settings
+    from powerinfer.commands.model_flags import load_llm
 
-    llm = load_llm(parse(["run", "-m", str(default_model), "-b", "64", "-ctv", "f32", "-c", "128"]))
-    assert llm.n_batch == 64 and llm.cache_type == "f32"
+    args = parse(["run", "-m", str(default_model), "-b", "64", "-ctv", "f32", "-c", "128"])
+    llm = load_llm(args, **generation_settings(args))
+    assert llm.n_batch == 64 and llm.cache_type == "f32" and llm.n_ctx == 128
     assert_one_line_error(powerinfer("run", "-m", str(default_model), "-p", "x", "-ctk", "f16", "-ctv", "f32"),
                           "-ctk f16 and -ctv f32 differ")
 
 
 def test_served_names_from_the_flags():
-    from powerinfer.commands.serve import app_options
+    from powerinfer.server.startup import app_options
 
     assert app_options(parse(["serve", "--alias", "a", "b", "--served-model-name", "c", "a"]))["model_names"] == \
         ModelNames(("a", "b", "c"), False)

@@ -23,11 +23,12 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from powerinfer.cli import build_parser
-from powerinfer.commands.serve import listen
+from powerinfer.cli import parse_args
+from powerinfer.commands.serve import serve_settings
 from powerinfer.server.app import create_app
 from powerinfer.server.ray_proxy import ReplicaFailureAnswers
 from powerinfer.server.replica import REPLICA_HEADER, label_series
+from powerinfer.server.startup import listen
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="ray is not installed (pip install 'powerinfer[ray]')")
@@ -43,8 +44,8 @@ REPLICA_PROCESS = b"ray::ServeReplica:powerinfer:"  # Ray names a replica's proc
 def serve_args(model: Path, *extra: str):
     # One thread per replica and half a CPU each: two replicas, a restarted one and a late one fit
     # in Ray's count of this machine's cores.
-    return build_parser().parse_args(["serve", "--ray", "-m", str(model), "-t", "1", "--num-cpus", "0.5", "-c", "512",
-                                      "--port", "0", *extra])
+    return parse_args(["serve", "--ray", "-m", str(model), "-t", "1", "--num-cpus", "0.5", "-c", "512",
+                       "--port", "0", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def ray_url(default_model) -> Iterator[str]:
 
     args = serve_args(default_model, "--replicas", "2")
     try:
-        yield ray_app.deploy(args, ray_app.deployment_options(args))
+        yield ray_app.deploy(args, serve_settings(args), ray_app.deployment_options(args))
     finally:
         serve.shutdown()
         if started:
@@ -184,8 +185,8 @@ def test_request_before_any_replica_is_healthy(ray_url, default_model, expected)
     from powerinfer.server import ray_app
 
     args = serve_args(default_model, "--replicas", "1")
-    app = ray_app.replica_deployment(args, ray_app.prepare(args)).options(**ray_app.deployment_options(args),
-                                                                          name="late").bind()
+    replica = ray_app.replica_deployment(*ray_app.prepare(args, serve_settings(args)))
+    app = replica.options(**ray_app.deployment_options(args), name="late").bind()
     deploying = threading.Thread(target=serve.run, args=(app,), kwargs=dict(name="late", route_prefix="/late"))
     deploying.start()
     try:

@@ -691,10 +691,9 @@ def test_big_prompt_does_not_block_the_event_loop(server):
 
 
 def test_serve_flags(tmp_path):
-    from powerinfer.cli import build_parser
-    from powerinfer.commands.serve import allowed_hosts, api_keys
+    from powerinfer.cli import parse_args as parse
+    from powerinfer.server.startup import allowed_hosts, api_keys
 
-    parse = build_parser().parse_args
     keys = tmp_path / "keys.txt"
     keys.write_text("# the team's keys\nsecond\nthird\n")
     assert api_keys(parse(["serve", "--api-key", "first", "--api-key-file", str(keys)])) == ["first", "second", "third"]

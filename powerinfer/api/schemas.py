@@ -19,6 +19,15 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from powerinfer.options import (
+    DEFAULT_MIN_P,
+    DEFAULT_REPEAT_LAST_N,
+    DEFAULT_REPEAT_PENALTY,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
+)
+
 log = logging.getLogger(__name__)
 
 # Temperatures below this (but above 0) and repetition penalties outside the range below could
@@ -102,10 +111,10 @@ class Sampling(Body):
 
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    top_k: TopK = 40
-    min_p: MinP = 0.05
-    repeat_penalty: RepeatPenalty = 1.0
-    repeat_last_n: Annotated[int, Field(ge=0)] = 64
+    top_k: TopK = DEFAULT_TOP_K
+    min_p: MinP = DEFAULT_MIN_P
+    repeat_penalty: RepeatPenalty = DEFAULT_REPEAT_PENALTY
+    repeat_last_n: Annotated[int, Field(ge=0)] = DEFAULT_REPEAT_LAST_N
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     logit_bias: LogitBias | None = None
@@ -386,8 +395,8 @@ class LlamaCompletionRequest(Sampling):
 
     prompt: str | TokenIds
     n_predict: Annotated[int, Field(ge=-1)] = -1
-    temperature: Temperature = 0.8
-    top_p: TopP = 0.95
+    temperature: Temperature = DEFAULT_TEMPERATURE
+    top_p: TopP = DEFAULT_TOP_P
     stream: bool = False
 
 

@@ -11,8 +11,16 @@ import argparse
 import signal
 import sys
 
-from powerinfer.cli import is_utf8, sampling_from_args
-from powerinfer.commands.common import load_chat_llm, max_tokens, read_prompt
+from powerinfer.commands.generation_flags import (
+    add_generation_options,
+    announce_template,
+    generation_settings,
+    max_tokens,
+    read_prompt,
+    sampling_settings,
+)
+from powerinfer.commands.model_flags import load_llm
+from powerinfer.commands.parsing import OneLineParser, command_parser, is_utf8
 from powerinfer.errors import PowerInferError
 
 COMMANDS = {
@@ -21,6 +29,14 @@ COMMANDS = {
     "/exit": "quit (also /quit, Ctrl-D, or Ctrl-C at the prompt)",
 }
 QUIT_COMMANDS = ("/exit", "/quit")
+
+
+def build_parser() -> OneLineParser:
+    parser = command_parser("chat")
+    add_generation_options(parser, chat=True)
+    parser.add_argument("-cnv", "--conversation", action="store_true", default=True,
+                        help="accepted for llama.cpp habits: chat always converses")
+    return parser
 
 
 def note(text: str) -> None:
@@ -85,7 +101,7 @@ def reply(conversation: Conversation, args: argparse.Namespace) -> None:
         conversation.turns.pop()
         return
     stream = llm.chat_stream(conversation.messages, max_tokens=limit, stop=args.stop, cache_prompt=True,
-                             **sampling_from_args(args))
+                             **sampling_settings(args))
     pieces = []
     with StopOnInterrupt() as interrupt:
         for piece in stream:
@@ -122,7 +138,7 @@ def run_command(line: str, conversation: Conversation) -> bool:
 
 def main(args: argparse.Namespace) -> int:
     first = read_prompt(args)
-    llm = load_chat_llm(args)
+    llm = announce_template(load_llm(args, **generation_settings(args)), args.chat_template)
     conversation = Conversation(llm, args.system)
     interactive = sys.stdin.isatty()
     if interactive:

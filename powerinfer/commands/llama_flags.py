@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from powerinfer.commands.parsing import positive_int
 from powerinfer.errors import PowerInferError
-from powerinfer.options import CACHE_TYPE_NAMES
+from powerinfer.options import CACHE_TYPE_NAMES, DEFAULT_N_BATCH
 
 # dest -> why the flag changes nothing here
 NO_EFFECT = {
@@ -23,10 +24,8 @@ NO_EFFECT = {
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """What every command that loads a model takes from llama.cpp."""
-    from powerinfer.cli import positive_int  # cli imports this module first
-
-    parser.add_argument("-b", "--batch-size", type=positive_int, metavar="N",
-                        help="prompt tokens evaluated per forward pass (default: 512)")
+    parser.add_argument("-b", "--batch-size", type=positive_int, default=DEFAULT_N_BATCH, metavar="N",
+                        help="prompt tokens evaluated per forward pass (default: %(default)s)")
     parser.add_argument("-ub", "--ubatch-size", type=positive_int, metavar="N", help="accepted; no effect here")
     parser.add_argument("-fa", "--flash-attn", nargs="?", const="on", choices=["on", "off", "auto"],
                         help="accepted; no effect here (attention has one kernel)")

@@ -9,14 +9,33 @@ import time
 import torch
 from tqdm import tqdm
 
-from powerinfer.commands.common import load_llm, read_text
+from powerinfer.commands.files import read_text
+from powerinfer.commands.model_flags import (
+    add_context_option,
+    add_model_options,
+    add_sparsity_options,
+    load_llm,
+    sparsity_settings,
+)
+from powerinfer.commands.parsing import OneLineParser, command_parser, positive_int
 from powerinfer.tools.perplexity import chunks_of, perplexity
+
+LLAMA_PERPLEXITY_CTX = 512  # llama-perplexity's default window
+
+
+def build_parser() -> OneLineParser:
+    parser = command_parser("perplexity")
+    add_model_options(parser)
+    add_context_option(parser)
+    add_sparsity_options(parser)
+    parser.add_argument("-f", "--file", required=True, help="text file (e.g. wikitext-2 test.txt)")
+    parser.add_argument("--chunks", type=positive_int, help="evaluate at most this many chunks (default: all)")
+    return parser
 
 
 def main(args: argparse.Namespace) -> int:
     text = read_text(args.file)
-    args.ctx_size = args.ctx_size or 512  # llama-perplexity's default window
-    llm = load_llm(args)
+    llm = load_llm(args, n_ctx=args.ctx_size or LLAMA_PERPLEXITY_CTX, **sparsity_settings(args))
     tokens = llm.tokenizer.encode(text, add_bos=True)
     bos = llm.tokenizer.bos_id if llm.tokenizer.add_bos else None
     chunks = chunks_of(tokens, llm.n_ctx, args.chunks, bos)

@@ -6,18 +6,22 @@ import argparse
 import sys
 from pathlib import Path
 
-from powerinfer.commands.common import calibration_ids, check_calibration_flags, load_llm, read_text
+from powerinfer.commands.calibration import add_calibration_options, check_calibration_flags, load_calibration
+from powerinfer.commands.parsing import OneLineParser, command_parser
 from powerinfer.outputs import check_output_dir
 from powerinfer.sparsity.profiler import ACTIVATION_FILES, profile_activations
+
+
+def build_parser() -> OneLineParser:
+    parser = command_parser("profile")
+    add_calibration_options(parser, output_help="output directory (gets activation/)")
+    return parser
 
 
 def main(args: argparse.Namespace) -> int:
     check_output_dir(Path(args.output) / "activation", ACTIVATION_FILES, args.force)
     check_calibration_flags(args)
-    text = read_text(args.file)
-    args.ctx_size, args.dtype = args.chunk, "auto"
-    llm = load_llm(args)
-    ids = calibration_ids(args, llm, text)
+    llm, ids = load_calibration(args)
     profile = profile_activations(llm.model, ids, args.tokens, args.chunk, args.target_sparsity, args.target_error)
     profile.save(args.output, replace=args.force)
     sparsity = profile.sparsity

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import argparse
 
+from powerinfer.commands.model_flags import add_hf_flags
+from powerinfer.commands.parsing import OneLineParser, command_parser
 from powerinfer.errors import PowerInferError
 from powerinfer.hub import hf_model_path, pull_default_model
+
+
+def build_parser() -> OneLineParser:
+    parser = command_parser("pull")
+    parser.add_argument("repo", nargs="?", metavar="ORG/NAME[:QUANT]", help="Hugging Face repo (default: the default model)")
+    add_hf_flags(parser, parser)
+    return parser
 
 
 def main(args: argparse.Namespace) -> int:

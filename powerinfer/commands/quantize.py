@@ -5,12 +5,27 @@ from __future__ import annotations
 import argparse
 import sys
 
+from powerinfer.commands.files import add_force_option
+from powerinfer.commands.parsing import OneLineParser, command_parser
 from powerinfer.convert.mixes import parse_mix
 from powerinfer.convert.model import gguf_source, write_model
 from powerinfer.errors import PowerInferError
 from powerinfer.gguf import GGUFFile, open_gguf
 from powerinfer.ops.quant import FLOAT_TYPES
 from powerinfer.outputs import check_output_file
+
+
+def build_parser() -> OneLineParser:
+    parser = command_parser("quantize")
+    parser.add_argument("input", help="GGUF or PowerInfer GGUF file")
+    parser.add_argument("output", help="output file")
+    parser.add_argument("type", help="Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (every matrix that type); Q4_K_S, Q4_K_M, "
+                                     "Q5_K_S, Q5_K_M (llama.cpp's mixes); POWERINFER_Q4_0 (PowerInfer's: Q4_0, "
+                                     "output Q6_K, predictors Q4_0)")
+    parser.add_argument("--allow-requantize", action="store_true",
+                        help="also re-encode matrices that are already quantized (adds a second rounding error)")
+    add_force_option(parser)
+    return parser
 
 
 def check_requantize(gguf: GGUFFile, allow: bool) -> None:

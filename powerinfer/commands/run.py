@@ -4,11 +4,32 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from powerinfer.cli import sampling_from_args
-from powerinfer.commands.common import load_llm, max_tokens, read_prompt
+from powerinfer.commands import chat
+from powerinfer.commands.generation_flags import (
+    add_generation_options,
+    generation_settings,
+    max_tokens,
+    read_prompt,
+    sampling_settings,
+)
+from powerinfer.commands.model_flags import load_llm
+from powerinfer.commands.parsing import OneLineParser, command_parser
 from powerinfer.errors import PowerInferError
-from powerinfer.runtime.sequence import Completion
+
+if TYPE_CHECKING:
+    from powerinfer.runtime.sequence import Completion
+
+
+def build_parser() -> OneLineParser:
+    parser = command_parser("run")
+    add_generation_options(parser, chat=False)
+    conversation = parser.add_mutually_exclusive_group()
+    conversation.add_argument("-cnv", "--conversation", action="store_true", help="chat instead (the chat command)")
+    conversation.add_argument("-no-cnv", "--no-conversation", dest="conversation", action="store_false",
+                              help="complete the prompt (the default)")
+    return parser
 
 
 def print_timings(completion: Completion, load_seconds: float | None = None, sparsity: bool = False) -> None:
@@ -27,13 +48,15 @@ def print_timings(completion: Completion, load_seconds: float | None = None, spa
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.conversation:  # llama-cli's -cnv: run's flags are chat's
+        return chat.main(args)
     prompt = read_prompt(args)
     if prompt is None:
         raise PowerInferError("one of -p/--prompt or -f/--file is required (or -cnv to chat)")
     if args.system is not None:
         raise PowerInferError("-sys/--system-prompt sets a conversation's system message: add -cnv (or use chat)")
-    llm = load_llm(args)
-    stream = llm.generate_stream(prompt, max_tokens=max_tokens(args.n_predict, llm), stop=args.stop, **sampling_from_args(args))
+    llm = load_llm(args, **generation_settings(args))
+    stream = llm.generate_stream(prompt, max_tokens=max_tokens(args.n_predict, llm), stop=args.stop, **sampling_settings(args))
     print(f"powerinfer: {llm.summary()}", file=sys.stderr)  # once the prompt is known to fit: a refusal is one line
     for piece in stream:
         sys.stdout.write(piece)

@@ -5,97 +5,113 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import socket
 import sys
-from pathlib import Path
+from typing import Any
 
-from powerinfer.cli import RAY_OPTIONS
+from powerinfer.commands.generation_flags import add_chat_template_options, announce_template
+from powerinfer.commands.llama_flags import add_server_flags
+from powerinfer.commands.model_flags import (
+    add_context_option,
+    add_model_options,
+    add_sparsity_options,
+    llm_settings,
+    sparsity_settings,
+)
+from powerinfer.commands.parsing import (
+    OneLineParser,
+    command_parser,
+    non_negative_float,
+    non_negative_int,
+    number,
+    positive_float,
+    positive_int,
+)
 from powerinfer.errors import PowerInferError
+from powerinfer.server.startup import app_options, check_model, listen
+
+RAY_OPTIONS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "address", "num_cpus", "num_gpus")
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening socket, so that a taken port is reported before the model loads."""
-    try:
-        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(info[0], socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(info[4])
-        sock.listen(128)
-    except OSError as error:
-        raise PowerInferError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
-    return sock
+def build_parser() -> OneLineParser:
+    parser = command_parser("serve")
+    add_model_options(parser)
+    add_context_option(parser)
+    add_sparsity_options(parser)
+    add_chat_template_options(parser)
+    add_server_flags(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
+    parser.add_argument("--port", type=number(int, 0, 65535), default=8080,
+                        help="port (default: %(default)s; 0 = any free port)")
+    parser.add_argument("-np", "--parallel", type=positive_int, default=4,
+                        help="sequences decoded together (KV-cache slots); more requests wait in a queue (default: %(default)s)")
+    parser.add_argument("--max-body-size", type=positive_int, default=8 * 1024 * 1024, metavar="BYTES",
+                        help="largest request body accepted; larger ones get 413 (default: 8 MiB)")
+    parser.add_argument("--allowed-hosts", metavar="NAMES",
+                        help="comma-separated names the Host header may carry, '*' for any "
+                             "(default: loopback names when --host is a loopback address, else any)")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' (repeat for several keys)")
+    parser.add_argument("--api-key-file", metavar="FILE", help="file of API keys, one a line")
+    parser.add_argument("--watchdog", type=positive_float, default=120.0, metavar="SECONDS",
+                        help="/health answers 503 when queued work has waited this long for a scheduler step "
+                             "(default: %(default)g)")
+    add_ray_options(parser)
+    add_limit_options(parser)
+    return parser
 
 
-def api_keys(args: argparse.Namespace) -> list[str]:
-    """Keys from --api-key and --api-key-file (one a line; # comments skipped). An empty key is
-    refused: `--api-key "$KEY"` with KEY unset would otherwise let in every client sending no key."""
-    if any(not key.strip() for key in args.api_key):
-        raise PowerInferError("--api-key is empty (an unset variable?): give a key, or leave the flag out")
-    keys = list(args.api_key)
-    if args.api_key_file:
-        try:
-            with open(args.api_key_file, encoding="utf-8") as file:
-                lines = file.read().splitlines()
-        except (OSError, UnicodeDecodeError) as error:
-            raise PowerInferError(f"{args.api_key_file}: cannot read API keys: {error}") from None
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                raise PowerInferError(f"{args.api_key_file}: line {number} is empty (an empty key is no key)")
-            if not line.lstrip().startswith("#"):
-                keys.append(line.strip())
-        if len(keys) == len(args.api_key):
-            raise PowerInferError(f"{args.api_key_file}: no API keys in the file")
-    if any(not key.isprintable() or " " in key for key in keys):
-        raise PowerInferError("API keys must be printable and without spaces")
-    return keys
+def add_ray_options(parser: argparse.ArgumentParser) -> None:
+    """`serve --ray`: the server's app as a Ray Serve deployment (options named in RAY_OPTIONS)."""
+    group = parser.add_argument_group("Ray Serve", "replicas of this server behind Ray Serve's router "
+                                                   "(needs the 'ray' extra: pip install 'powerinfer[ray]')")
+    group.add_argument("--ray", action="store_true", help="serve through Ray Serve, one loaded model per replica")
+    group.add_argument("--replicas", type=positive_int, metavar="N", help="a fixed number of replicas (default: 1)")
+    group.add_argument("--min-replicas", type=non_negative_int, metavar="A", help="autoscaling: fewest replicas (default: 1)")
+    group.add_argument("--max-replicas", type=positive_int, metavar="B", help="autoscaling: most replicas (default: A)")
+    group.add_argument("--target-ongoing-requests", type=positive_float, metavar="T",
+                       help="autoscaling: requests per replica to aim for (default: --parallel)")
+    group.add_argument("--address", metavar="ADDR", help="join this Ray cluster (e.g. 10.0.0.1:6379, or 'auto'); "
+                                                         "default: start a local one on 127.0.0.1")
+    group.add_argument("--num-cpus", type=positive_float, metavar="C",
+                       help="CPUs Ray reserves per replica; also its threads unless -t is given (default: 1)")
+    group.add_argument("--num-gpus", type=non_negative_float, metavar="G",
+                       help="GPUs per replica; each replica's --vram-budget is on its own GPU (default: 0)")
 
 
-def allowed_hosts(args: argparse.Namespace) -> frozenset[str] | None:
-    from powerinfer.server.gate import default_allowed_hosts
+def add_limit_options(parser: argparse.ArgumentParser) -> None:
+    """`serve`'s limits on clients (docs/serving.md, "Limits and timeouts")."""
+    group = parser.add_argument_group("limits", "what one client may take of the server")
+    group.add_argument("--read-timeout", type=number(float, 0, 3600, above=True), default=30.0, metavar="SECONDS",
+                       help="a request's headers, then its body, must each arrive within this long; slower ones "
+                            "get 408 and are closed (default: %(default)g)")
+    group.add_argument("--keep-alive", type=number(float, 0, 3600, above=True), default=5.0, metavar="SECONDS",
+                       help="an idle kept-alive connection is closed after this long (default: %(default)g)")
+    group.add_argument("--max-connections", type=number(int, 1, 1_000_000), default=256, metavar="N",
+                       help="beyond this many connections or requests in progress, requests get 503 (default: %(default)s)")
+    group.add_argument("--max-body-memory", type=number(int, 1, 2**40), default=64 * 1024 * 1024, metavar="BYTES",
+                       help="bytes of all the request bodies being read at once; a body that would pass it gets 503 "
+                            "(default: 64 MiB)")
+    group.add_argument("--max-embedding-tokens", type=number(int, 1, 2**31), default=32768, metavar="N",
+                       help="tokens one /v1/embeddings request may ask for, its inputs together; more get 400 "
+                            "(default: %(default)s)")
 
-    if args.allowed_hosts is None:
-        return default_allowed_hosts(args.host)
-    names = {name.strip().lower() for name in args.allowed_hosts.split(",") if name.strip()}
-    return None if "*" in names else frozenset(names)
 
-
-def app_options(args: argparse.Namespace) -> dict:
-    """create_app's keywords from the flags, alike for one server and for each Ray replica."""
-    from powerinfer.server.model_names import ModelNames
-
-    return dict(parallel=args.parallel, allowed_hosts=allowed_hosts(args), api_keys=api_keys(args),
-                max_body_size=args.max_body_size, watchdog_seconds=args.watchdog, body_timeout=args.read_timeout,
-                max_body_memory=args.max_body_memory, max_embedding_tokens=args.max_embedding_tokens,
-                model_names=ModelNames.of(args.alias, args.strict_model_name))
-
-
-def checked_model(args: argparse.Namespace) -> Path:
-    """The model file; a missing, foreign or unsupported one is refused before any server starts,
-    and so are -c and --parallel whose KV cache this machine can never hold (its float16 size)."""
-    import torch
-
-    from powerinfer.commands.common import model_path
-    from powerinfer.gguf.reader import open_gguf
-    from powerinfer.llm import DEFAULT_N_CTX
-    from powerinfer.models import read_config
-    from powerinfer.runtime.kv_cache import cache_bytes, check_cache_fits
-
-    path = model_path(args)
-    config = read_config(open_gguf(path))
-    n_ctx = args.ctx_size or min(DEFAULT_N_CTX, config.n_ctx_train)
-    check_cache_fits(cache_bytes(config.n_layers, args.parallel, config.n_head_kv, n_ctx, config.head_dim,
-                                 torch.float16), args.parallel, n_ctx)
-    return path
+def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The served model's LLM keywords (its file found, fetched if need be), alike for one server and
+    for each Ray replica."""
+    return llm_settings(args, n_ctx=args.ctx_size, chat_template=args.chat_template, parallel=args.parallel,
+                        **sparsity_settings(args))
 
 
 def main(args: argparse.Namespace) -> int:
-    stray = [name for name in RAY_OPTIONS if getattr(args, name) is not None]
+    stray = [name for name in RAY_OPTIONS if vars(args)[name] is not None]
     if stray and not args.ray:
         raise PowerInferError(f"--{stray[0].replace('_', '-')} needs --ray")
     if args.ray:
-        from powerinfer.server.ray_app import serve_on_ray
+        from powerinfer.server.ray_app import deployment_options, serve_on_ray
 
-        return serve_on_ray(args)
+        deployment_options(args)  # bad flags are refused before the model is looked for
+        return serve_on_ray(args, serve_settings(args))
     try:
         import uvicorn
 
@@ -104,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
         from powerinfer.server.request_log import configure_logging
     except ImportError as error:
         raise PowerInferError(f"the server needs the 'serve' extra (pip install 'powerinfer[serve]'): {error}") from None
-    from powerinfer.commands.common import load_chat_llm
+    from powerinfer.llm import LLM
 
     # A model file rewritten in place while mapped (cp over it, truncate) faults on the next read
     # of a missing page: say so on stderr, with every thread's stack, rather than die silently.
@@ -113,7 +129,8 @@ def main(args: argparse.Namespace) -> int:
     # A missing, foreign or unsupported file is refused before the server starts; rarer load
     # failures stop the server once it runs (it answers 503 on /health while loading).
     options = app_options(args)
-    checked_model(args)
+    settings = serve_settings(args)
+    check_model(settings["model"], args.ctx_size, args.parallel)
     sock = listen(args.host, args.port)
     failures: list[Exception] = []
 
@@ -121,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
         failures.append(error)
         server.should_exit = True
 
-    app = create_app(lambda: load_chat_llm(args), on_load_error=stop, **options)
+    app = create_app(lambda: announce_template(LLM(**settings), args.chat_template), on_load_error=stop, **options)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:

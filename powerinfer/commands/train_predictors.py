@@ -6,7 +6,8 @@ import argparse
 import sys
 from statistics import mean
 
-from powerinfer.commands.common import calibration_ids, check_calibration_flags, load_llm, read_text
+from powerinfer.commands.calibration import add_calibration_options, check_calibration_flags, load_calibration
+from powerinfer.commands.parsing import OneLineParser, command_parser, positive_int, rank_list, unit_interval
 from powerinfer.outputs import check_output_dir
 from powerinfer.sparsity.predictors import (
     PREDICTOR_FILES,
@@ -18,6 +19,17 @@ from powerinfer.sparsity.predictors import (
 from powerinfer.sparsity.profiler import calibration_chunks, firing_thresholds
 
 
+def build_parser() -> OneLineParser:
+    parser = command_parser("train-predictors")
+    add_calibration_options(parser, output_help="predictor directory to write (model_{i}.pt, config.json)")
+    parser.add_argument("--recall", type=unit_interval, default=0.99, help="recall target per layer (default: %(default)s)")
+    parser.add_argument("--ranks", type=rank_list, default=(32, 64, 128, 256, 512),
+                        help="candidate predictor ranks, tried from the smallest up until a larger one gains under "
+                             "2 points of sparsity (default: 32,64,128,256,512)")
+    parser.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps per fit (default: %(default)s)")
+    return parser
+
+
 def _row(r: LayerReport) -> str:
     return (f"| {r.layer:5d} | {r.rank:4d} | {r.recall:6.4f} | {r.precision:9.4f} | {r.true_sparsity:13.1%} "
             f"| {r.predicted_sparsity:18.1%} |")
@@ -26,10 +38,7 @@ def _row(r: LayerReport) -> str:
 def main(args: argparse.Namespace) -> int:
     check_output_dir(args.output, PREDICTOR_FILES, args.force)
     check_calibration_flags(args)
-    text = read_text(args.file)
-    args.ctx_size, args.dtype = args.chunk, "auto"
-    llm = load_llm(args)
-    ids = calibration_ids(args, llm, text)
+    llm, ids = load_calibration(args)
     chunks = calibration_chunks(ids, args.tokens, args.chunk)
     thresholds, _ = firing_thresholds(llm.model, chunks, args.target_sparsity, args.target_error)
     options = TrainingOptions(recall=args.recall, ranks=args.ranks, steps=args.steps)

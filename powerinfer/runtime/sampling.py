@@ -12,18 +12,26 @@ from dataclasses import dataclass, field
 import torch
 
 from powerinfer.errors import PowerInferError
+from powerinfer.options import (
+    DEFAULT_MIN_P,
+    DEFAULT_REPEAT_LAST_N,
+    DEFAULT_REPEAT_PENALTY,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
+)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How the next token is chosen. `temperature == 0` is greedy; 0 disables top-k / min-p."""
 
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    temperature: float = DEFAULT_TEMPERATURE
+    top_k: int = DEFAULT_TOP_K
+    top_p: float = DEFAULT_TOP_P
+    min_p: float = DEFAULT_MIN_P
+    repeat_penalty: float = DEFAULT_REPEAT_PENALTY
+    repeat_last_n: int = DEFAULT_REPEAT_LAST_N
     seed: int | None = None
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token generated so far
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the generated tokens

@@ -23,9 +23,11 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from powerinfer.errors import PowerInferError
+from powerinfer.server.startup import app_options, check_model, listen
 
 APP_NAME = "powerinfer"
 DEPLOYMENT_NAME = "powerinfer"
@@ -103,18 +105,22 @@ def cpus_per_replica(args: argparse.Namespace) -> float:
     return 1.0 if args.num_cpus is None else args.num_cpus
 
 
-def replica_deployment(args: argparse.Namespace, app_options: dict):
-    """The deployment: `create_app(**app_options)` over the model `args` names, one per replica,
+def replica_deployment(llm_settings: dict, app_options: dict):
+    """The deployment: `create_app(**app_options)` over `LLM(**llm_settings)`, one per replica,
     named after it."""
     from ray import serve
 
-    from powerinfer.commands.common import load_llm
     from powerinfer.server.app import create_app
+
+    def load():
+        from powerinfer.llm import LLM
+
+        return LLM(**llm_settings)
 
     def build_app():  # runs in the replica, after the class's constructor
         context = serve.get_replica_context()
         name = f"{context.deployment}#{context.replica_id.unique_id}"
-        return create_app(lambda: load_llm(args), replica=name, **app_options)
+        return create_app(load, replica=name, **app_options)
 
     @serve.ingress(build_app)
     class PowerInferReplica:
@@ -131,42 +137,40 @@ def replica_deployment(args: argparse.Namespace, app_options: dict):
     return serve.deployment(PowerInferReplica, name=DEPLOYMENT_NAME)
 
 
-def prepare(args: argparse.Namespace) -> dict:
-    """What replicas need decided once, here: the model file checked and named by its local path
-    (a Hugging Face name is fetched here, not on every replica), threads, create_app's keywords
-    (API keys read from their file here). Returns those keywords."""
-    from powerinfer.commands.serve import app_options, checked_model
-
-    options = app_options(args)
+def prepare(args: argparse.Namespace, llm_settings: dict) -> tuple[dict, dict]:
+    """What replicas need decided once, here: the model file (found by the caller, so a Hugging Face
+    name is fetched once, not on every replica) checked and named by its absolute path, threads, and
+    create_app's keywords (API keys read from their file here). Returns the replicas' LLM keywords
+    and create_app's."""
+    app = app_options(args)
+    model = Path(llm_settings["model"])
+    check_model(model, llm_settings["n_ctx"], args.parallel)
     # Replicas read the file at the same path: on a cluster, a shared or identical path on every node.
-    args.model = str(checked_model(args).resolve())
-    args.hf_repo = args.hf_file = None
-    if args.threads is None:
-        args.threads = max(1, int(cpus_per_replica(args)))
-    return options
+    replica = llm_settings | {"model": str(model.resolve()),
+                              "threads": llm_settings["threads"] or max(1, int(cpus_per_replica(args)))}
+    return replica, app
 
 
-def deploy(args: argparse.Namespace, options: dict) -> str:
-    """Deploys the replicas (Serve's deployment `options`) on the Ray this process is connected to
-    and waits until they all serve; returns the base URL of Ray's HTTP proxy."""
+def deploy(args: argparse.Namespace, llm_settings: dict, options: dict) -> str:
+    """Deploys the replicas (Serve's deployment `options`) of the model `llm_settings` name on the
+    Ray this process is connected to and waits until they all serve; returns the base URL of Ray's
+    HTTP proxy."""
     from ray import serve
 
-    from powerinfer.commands.serve import listen
-
-    app_options = prepare(args)
+    replica_settings, app = prepare(args, llm_settings)
     with listen(args.host, args.port) as probe:  # a taken port is one line here; 0 picks a free one for Ray's proxy
         port = probe.getsockname()[1]
     serve.start(http_options={"host": args.host, "port": port})
     try:
-        serve.run(replica_deployment(args, app_options).options(**options).bind(), name=APP_NAME, route_prefix="/")
+        serve.run(replica_deployment(replica_settings, app).options(**options).bind(), name=APP_NAME, route_prefix="/")
     except RuntimeError as error:
         raise PowerInferError(f"the replicas did not start: {str(error).strip().splitlines()[-1]}") from None
     return f"http://{args.host}:{port}"
 
 
-def serve_on_ray(args: argparse.Namespace) -> int:
-    """The CLI: deploy, then serve until interrupted (Ctrl-C or SIGTERM); then remove the app, and
-    stop Ray when it was started here."""
+def serve_on_ray(args: argparse.Namespace, llm_settings: dict) -> int:
+    """`serve --ray`: deploy replicas of `LLM(**llm_settings)`, then serve until interrupted (Ctrl-C
+    or SIGTERM); then remove the app, and stop Ray when it was started here."""
     options = deployment_options(args)  # bad flags are refused before Ray starts
     replicas = options.get("num_replicas") or "{min_replicas}..{max_replicas}".format(**options["autoscaling_config"])
     local = args.address is None
@@ -180,7 +184,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
           f"loading the model ...", file=sys.stderr)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM cleans up as Ctrl-C does
     try:
-        url = deploy(args, options)
+        url = deploy(args, llm_settings, options)
         print(f"powerinfer serve --ray: listening on {url} ({args.parallel} slots per replica)", file=sys.stderr)
         while True:
             time.sleep(3600)
