@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
@@ -65,13 +64,11 @@ def column_type(source: T, out_features: int) -> T:
     return chosen
 
 
-def sparsify(model: str | os.PathLike[str] | None, calibration_text: str | os.PathLike[str], output: str | os.PathLike[str],
-             target: Target = Target(), force: bool = False, n_tokens: int | None = DEFAULT_TOKENS,
-             progress: bool = True) -> Allocation:
-    """Write `output`, the sparsified `model`; returns the allocation it holds."""
+def sparsify(llm: LLM, text: str, output: str | os.PathLike[str], target: Target = Target(), force: bool = False,
+             n_tokens: int | None = DEFAULT_TOKENS, progress: bool = True) -> Allocation:
+    """Write `output`: `llm`'s file (loaded dense) sparsified on the calibration `text`; returns the
+    allocation it holds."""
     check_output_file(output, force)
-    text = _read_text(Path(calibration_text))
-    llm = LLM(model, sparsity="off")
     _check_model(llm)
     tokenizer = llm.tokenizer
     chunks = calibration_chunks(tokenizer.encode(text, add_bos=False), tokenizer.bos_id if tokenizer.add_bos else None,
@@ -84,15 +81,6 @@ def sparsify(model: str | os.PathLike[str] | None, calibration_text: str | os.Pa
     write_gguf(output, source.architecture, metadata, _sparsified_tensors(source, paying, allocation),
                typed_metadata=source.typed_metadata, progress=progress, replace=force)
     return allocation
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PowerInferError(f"{path}: no such calibration file") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise PowerInferError(f"{path}: cannot read the calibration text ({error})") from None
 
 
 def _check_model(llm: LLM) -> None:
