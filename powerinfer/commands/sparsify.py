@@ -10,6 +10,7 @@ from powerinfer.commands.files import add_force_option, read_text
 from powerinfer.commands.model_flags import add_model_source, model_path
 from powerinfer.commands.parsing import MAX_THREADS, OneLineParser, command_parser, number, positive_int, unit_interval
 from powerinfer.outputs import check_output_file
+from powerinfer.sparse.allocate import METHODS
 
 DEFAULT_TOKENS = 8192
 
@@ -28,6 +29,9 @@ def build_parser() -> OneLineParser:
     target.add_argument("--max-ppl-increase", type=number(float, 1), metavar="FACTOR",
                         help="the most sparsity whose perplexity on the calibration text stays within FACTOR times the "
                              "dense model's (default: 1.02 unless --target-sparsity is given)")
+    parser.add_argument("--allocation", choices=METHODS, default="global",
+                        help="how the target is spread: uniform (every site alike, TEAL's baseline), blockwise (TEAL's "
+                             "greedy per block), global (the same greedy across the whole model) (default: %(default)s)")
     parser.add_argument("-o", "--output", required=True, help="the sparsified GGUF")
     add_force_option(parser)
     return parser
@@ -42,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
 
     llm = LLM(model_path(args), threads=args.threads, sparsity="off")  # calibrated dense
     allocation = sparsify(llm, text, args.output, Target(args.target_sparsity, args.max_ppl_increase), args.force,
-                          args.tokens)
+                          args.tokens, args.allocation)
     print(f"wrote {args.output}: {allocation.sparsity:.1%} of the block weights skipped per token on the calibration "
           f"text ({allocation.criterion} thresholds, {allocation.method} allocation)", file=sys.stderr)
     return 0
