@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from powerinfer import LLM
+from powerinfer.convert.encode import FILE_TYPES
 from powerinfer.convert.mixes import ModelFacts, parse_mix
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.writer import TensorData, write_gguf
@@ -71,7 +72,8 @@ def make_dense(kind: str, path: Path) -> None:
     config = {"llama.block_count": N_LAYERS, "llama.embedding_length": N_EMBD, "llama.feed_forward_length": N_FF,
               "llama.attention.head_count": N_HEAD, "llama.attention.head_count_kv": N_HEAD,
               "llama.context_length": 4096, "llama.rope.dimension_count": N_EMBD // N_HEAD,
-              "llama.attention.layer_norm_rms_epsilon": 1e-5, "general.name": f"random 7B-width {kind}"}
+              "llama.attention.layer_norm_rms_epsilon": 1e-5, "general.name": f"random 7B-width {kind}",
+              "general.file_type": int(FILE_TYPES[T.Q4_0] if kind == "Q4_0" else parse_mix(kind).file_type)}
     rng = np.random.default_rng(0)
 
     def tensors():
