@@ -175,3 +175,18 @@ def test_flag_defaults_are_the_apis():
     defaults = inspect.signature(LLM).parameters
     assert (args.dtype, args.sparsity, args.batch_size) == (defaults["dtype"].default, defaults["sparsity"].default,
                                                             defaults["n_batch"].default)
+
+
+def test_serve_flag_defaults_are_the_servers():
+    import inspect
+
+    from powerinfer.server.app import create_app
+    from powerinfer.server.connections import ConnectionLimits
+
+    args = parse("serve")
+    defaults = inspect.signature(create_app).parameters
+    assert {name: defaults[name].default for name in ("max_body_size", "watchdog_seconds", "body_timeout",
+                                                      "max_body_memory", "max_embedding_tokens")} == \
+        dict(max_body_size=args.max_body_size, watchdog_seconds=args.watchdog, body_timeout=args.read_timeout,
+             max_body_memory=args.max_body_memory, max_embedding_tokens=args.max_embedding_tokens)
+    assert ConnectionLimits() == ConnectionLimits(args.read_timeout, args.keep_alive, args.max_connections)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import json
 import math
 import os
 import re
+import resource
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -25,22 +26,25 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from starlette.responses import JSONResponse
 from starlette.testclient import TestClient
 
 from powerinfer import LLM
 from powerinfer.api.schemas import MAX_TOKEN_IDS
 from powerinfer.commands.parsing import is_utf8
+from powerinfer.commands.serve import MODEL_CHANGED_EXIT
 from powerinfer.errors import ModelFileError
 from powerinfer.gguf import open_gguf
 from powerinfer.logs import MAX_LOGGED_CHARS
 from powerinfer.runtime.constraint import GrammarError, json_schema_grammar
 from powerinfer.runtime.scheduler import SlicedCall
+from powerinfer.server import bodies, rendering
 from powerinfer.server.app import create_app
 from powerinfer.server.connections import ConnectionLimits
 from powerinfer.tokenizer import Tokenizer
 
 from conftest import convert_each, make_tiny_llama
-from helpers import ServerThread, assert_one_line_error, powerinfer
+from helpers import ServerThread, assert_one_line_error, powerinfer, serve_command, serving_url
 
 
 @pytest.mark.parametrize("keys", [["--api-key", ""], ["--api-key", "good", "--api-key", "  "]])
@@ -303,7 +307,170 @@ def test_memory_of_bodies_being_read_is_bounded(quick, caplog):
     assert httpx.post(f"{quick.url}/tokenize", json={"content": "hello"}).status_code == 200
 
 
+def memory_of(pid: int) -> dict[str, int]:
+    """A process's memory figures from /proc (VmData: heap, anonymous memory, thread stacks), in bytes."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {name: int(fields[name].split()[0]) * 1024 for name in ("VmData", "VmRSS", "VmHWM")}
+
+
+def slowloris(address: tuple[str, int], seconds: float) -> bytes:
+    """Headers a line every 0.25 s, never finished; what the server sent before closing."""
+    with socket.create_connection(address) as sock:
+        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        deadline = time.monotonic() + seconds
+        with contextlib.suppress(OSError):
+            while time.monotonic() < deadline:
+                sock.sendall(b"X-Slow: yes\r\n")
+                time.sleep(0.25)
+        return read_until_closed(sock, 10)[0]
+
+
+def half_sent_body(address: tuple[str, int], sent: int) -> bytes:
+    """An 8 MB body of which `sent` bytes come, then nothing; what the server sent before closing."""
+    with socket.create_connection(address) as sock:
+        with contextlib.suppress(OSError):  # the server may close while we send
+            sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 8000000\r\n\r\n" + b"x" * sent)
+        return read_until_closed(sock, 20)[0]
+
+
+def test_connection_attacks_on_a_server_whose_memory_is_capped(long_llm):
+    """`serve` in a child whose data segment is capped (RLIMIT_DATA, set once it is idle) at 256 MiB
+    over what it holds then, against 60 slowloris connections and 60 half-sent bodies of 6 MB each
+    (360 MB in all). Each attacker is closed with 408 or 503; the server keeps answering /health and
+    completions meanwhile, and its peak resident memory grows by less than the cap's headroom (with
+    --max-body-memory 2 GB it grew by more: 266 MB, measured here)."""
+    headroom, n_each, sent = 256 * 1024 * 1024, 60, 6_000_000
+    assert n_each * sent > headroom
+    process = serve_command("-m", str(long_llm.path), "--port", "0", "-c", "256", "--parallel", "1",
+                            "--read-timeout", "3")
+    try:
+        url = serving_url(process)
+        threading.Thread(target=process.stderr.read, daemon=True).start()  # its log must not fill the pipe
+        complete(url)  # the first completion's one-off allocations, before the cap
+        idle = memory_of(process.pid)
+        resource.prlimit(process.pid, resource.RLIMIT_DATA, (idle["VmData"] + headroom,) * 2)
+        address = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        with ThreadPoolExecutor(2 * n_each) as pool:
+            slow = [pool.submit(slowloris, address, 6) for _ in range(n_each)]
+            bodies_sent = [pool.submit(half_sent_body, address, sent) for _ in range(n_each)]
+            answered = 0
+            while not all(f.done() for f in slow + bodies_sent):
+                assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+                assert complete(url)
+                answered += 1
+            answers = [f.result() for f in slow + bodies_sent]
+        after = memory_of(process.pid)
+        assert all(a == b"" or a.startswith((b"HTTP/1.1 408", b"HTTP/1.1 503")) for a in answers), \
+            {a[:40] for a in answers}
+        assert sum(a.startswith(b"HTTP/1.1 408") for a in answers[:n_each]) >= n_each // 2
+        assert answered >= 1 and process.poll() is None
+        assert after["VmHWM"] - idle["VmHWM"] < headroom
+        assert httpx.get(f"{url}/health").status_code == 200 and complete(url)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
 # ---------------------------------------------------------------- bodies: work and log lines bounded
+
+def json_values(value) -> int:
+    """Values in a parsed JSON value as the body budget counts them: the root, each array item,
+    each object key and value."""
+    if isinstance(value, list):
+        return 1 + sum(json_values(item) for item in value)
+    if isinstance(value, dict):
+        return 1 + sum(1 + json_values(item) for item in value.values())
+    return 1
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                           | st.text(),
+                           lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(), inner, max_size=5),
+                           max_leaves=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=JSON_VALUES, indent=st.sampled_from([None, 0, 2]), spaced=st.booleans(), budget=st.integers(1, 60))
+def test_values_are_counted_before_parsing_as_the_parsed_body_counts_them(value, indent, spaced, budget):
+    """The scan over the body's bytes (strings with escaped quotes, commas and brackets inside,
+    empty arrays with spaces) agrees with the count over what the json module parses."""
+    raw = json.dumps(value, indent=indent, ensure_ascii=False).encode()
+    if spaced:  # (inside strings too: their text changes, not the count)
+        raw = raw.replace(b"[]", b"[  ]").replace(b"{}", b"{ }")
+    assert bodies.within_budget(raw, budget) == (json_values(json.loads(raw)) <= budget)
+
+
+def test_a_body_being_parsed_holds_no_other_client(long_llm, monkeypatch):
+    """The parse of a body is held (in the test) until another client has been answered: were it
+    on the event loop, that client would wait for it, and the test would time out."""
+    parsing, answered, decoded = threading.Event(), threading.Event(), bodies.decoded
+
+    def held_decoded(raw: bytes):
+        parsing.set()
+        answered.wait(30)
+        return decoded(raw)
+
+    monkeypatch.setattr(bodies, "decoded", held_decoded)
+    with Serving(create_app(long_llm)) as serving, ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, f"{serving.url}/tokenize", json={"content": "hello"}, timeout=60)
+        assert parsing.wait(30), "the body never reached its parser"
+        assert httpx.get(f"{serving.url}/health", timeout=10).status_code == 200
+        assert not held.done()
+        answered.set()
+        assert held.result().json()["tokens"] == long_llm.tokenize("hello", add_bos=False, special=True)
+
+
+def test_a_flood_of_large_bodies_leaves_other_clients_answered(long_llm):
+    """Eight clients send 8 MB bodies of 2.7 million values each (refused by the values budget:
+    parsed whole, each holds the interpreter for about half a second in one call). Meanwhile another
+    client's /health and small /tokenize are answered, each within a fifth of the flood's time
+    (its values are counted first, in short steps)."""
+    flood = b'{"content": "x", "padding": [' + b"{}," * 2_700_000 + b"{}]}"
+    assert len(flood) < 8 * 1024 * 1024
+    with Serving(create_app(long_llm)) as serving, ThreadPoolExecutor(8) as pool:
+        started = time.monotonic()
+        posts = [pool.submit(httpx.post, f"{serving.url}/tokenize", content=flood, timeout=300,
+                             headers={"Content-Type": "application/json"}) for _ in range(8)]
+        waits = []
+        while not all(post.done() for post in posts):
+            asked = time.monotonic()
+            assert httpx.get(f"{serving.url}/health", timeout=60).status_code == 200
+            assert httpx.post(f"{serving.url}/tokenize", json={"content": "hi"}, timeout=60).status_code == 200
+            waits.append(time.monotonic() - asked)
+        flood_seconds = time.monotonic() - started
+        answers = [post.result() for post in posts]
+    assert all(a.status_code == 400 and "524288 JSON values" in a.json()["error"]["message"] for a in answers)
+    assert len(waits) >= 5 and max(waits) < flood_seconds / 5, \
+        f"a client waited up to {max(waits):.2f} s of the flood's {flood_seconds:.1f} s ({len(waits)} asked)"
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=JSON_VALUES | st.dictionaries(st.text(max_size=3), st.lists(st.integers(-2**63, 2**63) | st.floats(allow_nan=False,
+       allow_infinity=False), max_size=9000), max_size=3) | st.dictionaries(st.integers(), st.integers(), max_size=3))
+def test_answers_render_as_starlette_renders_them(value):
+    """Rendered a slice at a time (lists of thousands of values), byte for byte JSONResponse's rendering."""
+    assert rendering.rendered(value) == JSONResponse(value).body
+
+
+def test_an_answer_of_600000_ids_leaves_other_clients_answered(long_llm):
+    """/tokenize of 3.6 MB of text answers 600000 ids (FastAPI's encoding of them took 2.6 s on
+    the event loop); meanwhile another client's /health is answered, each within a tenth of the time."""
+    text = "hello world " * 300_000
+    with Serving(create_app(long_llm)) as serving, ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        big = pool.submit(httpx.post, f"{serving.url}/tokenize", json={"content": text}, timeout=300)
+        waits = []
+        while not big.done():
+            asked = time.monotonic()
+            assert httpx.get(f"{serving.url}/health", timeout=60).status_code == 200
+            waits.append(time.monotonic() - asked)
+            time.sleep(0.01)
+        seconds = time.monotonic() - started
+        tokens = big.result().json()["tokens"]
+    assert tokens == long_llm.tokenize(text, add_bos=False, special=True) and len(tokens) >= 600_000
+    assert len(waits) >= 5 and max(waits) < seconds / 10, f"/health waited up to {max(waits):.2f} s of {seconds:.1f} s"
+
 
 @pytest.fixture(scope="module")
 def client(long_llm):
@@ -387,7 +554,7 @@ def complete(url: str) -> str:
 def test_model_file_replaced_or_rewritten_while_served(long_llm, tmp_path):
     """Replaced by a rename (mv, our own writers): the server keeps the file it mapped and answers
     as before. Rewritten in place (truncated, as cp starts by doing): the next read of a lost page
-    kills it, but never silently."""
+    kills it with one line and exit status 74, never silently."""
     served = tmp_path / "model.gguf"
     shutil.copy(long_llm.path, served)
     process, url = serve_file(served)
@@ -406,8 +573,9 @@ def test_model_file_replaced_or_rewritten_while_served(long_llm, tmp_path):
         os.truncate(served, 4096)
         with pytest.raises(httpx.TransportError):
             complete(url)
-        assert process.wait(timeout=30) == -signal.SIGBUS
-        assert "Fatal Python error: Bus error" in process.stderr.read()
+        assert process.wait(timeout=30) == MODEL_CHANGED_EXIT
+        last_line = process.stderr.read().strip().splitlines()[-1]
+        assert str(served) in last_line and "changed while served" in last_line and "rename" in last_line
     finally:
         if process.poll() is None:
             process.kill()

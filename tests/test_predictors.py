@@ -16,7 +16,7 @@ from powerinfer.convert.model import gguf_source, write_model
 from powerinfer.gguf import open_gguf
 from powerinfer.models import read_config
 from powerinfer.models.ffn import SparseFFN
-from powerinfer.models.predictor import SPARSE_THRESHOLD_KEY
+from powerinfer.models.predictor import MIN_GATED_PREDICTED_SPARSITY, PREDICTED_SPARSITY_KEY, SPARSE_THRESHOLD_KEY
 from powerinfer.sparsity.predictors import (
     TrainedPredictor,
     TrainingOptions,
@@ -141,7 +141,10 @@ def test_sparse_modes_on_powerinfer_gguf(trained, tmp_path, ids):
     dense = decode_logits(engine(ggufs["f32"], sparsity="off"), ids)
     torch.testing.assert_close(decode_logits(engine(path, sparsity="off"), ids), dense, rtol=1e-4, atol=1e-4)
     auto_engine = engine(path, sparsity="auto")
-    assert all(isinstance(b.ffn, SparseFFN) and b.ffn.mode == "auto" for b in auto_engine.model.blocks)
+    # ReLU: predictors everywhere; SiLU: where the file records that they rule out enough neurons
+    relu = hf_model.config.hidden_act == "relu"
+    pays = [relu or s >= MIN_GATED_PREDICTED_SPARSITY for s in open_gguf(path).get(PREDICTED_SPARSITY_KEY)]
+    assert [isinstance(b.ffn, SparseFFN) and b.ffn.mode == "auto" for b in auto_engine.model.blocks] == pays
     auto = decode_logits(auto_engine, ids)
     # Each token, prompt tokens included, computes only the neurons predicted for it. Missed neurons
     # (1 % of those that fire) are near-zero for ReLU, up to the calibrated threshold's size for
@@ -155,6 +158,24 @@ def test_sparse_modes_on_powerinfer_gguf(trained, tmp_path, ids):
         assert all(b.ffn.last_active < b.ffn.store.n_ff for b in auto_engine.model.blocks)  # neurons were skipped
         oracle = decode_logits(engine(path, sparsity="oracle"), ids)
         torch.testing.assert_close(oracle, dense, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("predicted", [None, [0.05, 0.6]])
+def test_auto_runs_a_gated_layer_dense_where_its_predictor_would_not_pay(trained, tmp_path, ids, predicted):
+    """A SiLU layer whose predictor rules out few neurons (or a file that does not say) runs every
+    neuron under "auto", with --sparsity off's exact result: auto is never slower than dense."""
+    hf_model, _, ggufs, out, _ = trained
+    if hf_model.config.hidden_act != "silu":
+        pytest.skip("SiLU model only")
+    directory = load_predictors(out)
+    directory.predicted_sparsity = predicted
+    path = tmp_path / "model.powerinfer.gguf"
+    write_model(gguf_source(ggufs["q4_0"]), path, None, directory, progress=False)
+    auto = engine(path, sparsity="auto")
+    assert [b.ffn.mode for b in auto.model.blocks] == (["off", "off"] if predicted is None else ["off", "auto"])
+    if predicted is None:
+        torch.testing.assert_close(decode_logits(auto, ids), decode_logits(engine(path, sparsity="off"), ids),
+                                   rtol=0, atol=0)
 
 
 def test_quantize_keeps_predictors(trained, tmp_path, ids):

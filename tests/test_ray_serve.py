@@ -5,6 +5,7 @@ name on answers and metrics, and the proxy middleware's answers for replicas tha
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -345,10 +346,16 @@ print(json.dumps(sorted(serve.status().applications) if any(a["namespace"] == "s
 """
 
 
+# Token authentication, Ray's default for a cluster `ray start` starts: its clients must ask for it
+# too (this process has it set only once its own Ray has started).
+CLUSTER_AUTH = {"RAY_AUTH_MODE": "token"}
+
+
 def applications_on(address: str) -> list[str]:
     """The Serve applications running on the Ray cluster at `address` (asked from a child process:
     this one may be connected to another Ray)."""
-    result = subprocess.run([sys.executable, "-c", APPLICATIONS, address], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", APPLICATIONS, address], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **CLUSTER_AUTH})
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -370,6 +377,35 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def processes_using(folder: Path) -> list[int]:
+    """Live processes whose command line names `folder` or that hold a file under it open: Ray's
+    agents rewrite their command lines but keep their logs in the session's folder open."""
+    prefix, found = f"{folder}/", []
+    in_arguments = re.compile(re.escape(str(folder).encode()) + rb"(?=/|\0|$)")  # not a longer name
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            named = in_arguments.search((entry / "cmdline").read_bytes())
+            if named or any(os.readlink(fd).startswith(prefix) for fd in (entry / "fd").iterdir()):
+                found.append(int(entry.name))
+        except OSError:  # ended while we looked, or not ours to read
+            continue
+    return found
+
+
+def kill_processes_using(folder: Path) -> None:
+    """SIGKILL to the processes of the Ray whose files are in `folder`, until none is left (its
+    raylet may start one while the others are killed)."""
+    deadline = time.monotonic() + 30
+    while pids := processes_using(folder):
+        assert time.monotonic() < deadline, f"processes outlived SIGKILL: {pids}"
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+
+
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -386,7 +422,7 @@ def other_cluster(tmp_path_factory) -> Iterator[str]:
         port = probe.getsockname()[1]
     address = f"127.0.0.1:{port}"
     # without the RAY_ADDRESS this process's own Ray (the module's) may have set
-    environment = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    environment = {**{name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}, **CLUSTER_AUTH}
     started = subprocess.run([*ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
                               "--num-cpus", "2", "--include-dashboard", "false", "--temp-dir", str(temp)],
                              capture_output=True, text=True, timeout=180, env=environment)
@@ -394,14 +430,7 @@ def other_cluster(tmp_path_factory) -> Iterator[str]:
     try:
         yield address
     finally:
-        # Only this cluster's processes (their command lines name its folder): `ray stop` would
-        # stop every Ray on the machine.
-        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-            try:
-                if str(temp).encode() in cmdline.read_bytes():
-                    os.kill(int(cmdline.parent.name), signal.SIGKILL)
-            except (OSError, ValueError):
-                pass
+        kill_processes_using(temp)  # only this cluster's: `ray stop` would stop every Ray on the machine
 
 
 def serve_on_ray_command(model: Path, *extra: str, env: dict) -> tuple[subprocess.Popen, str]:
@@ -419,9 +448,12 @@ def serve_on_ray_command(model: Path, *extra: str, env: dict) -> tuple[subproces
 
 @pytest.mark.slow
 @needs_ray
-def test_serve_ray_without_address_starts_a_private_ray_that_dies_with_it(default_model, other_cluster):
-    # Ray's own default would join the cluster RAY_ADDRESS names (or the last `ray start`'s).
-    process, url = serve_on_ray_command(default_model, env={"RAY_ADDRESS": other_cluster})
+def test_serve_ray_without_address_starts_a_private_ray_that_dies_with_it(default_model, other_cluster,
+                                                                          tmp_path_factory):
+    # Ray's own default would join the cluster RAY_ADDRESS names (or the last `ray start`'s). The
+    # private Ray keeps its session under RAY_TMPDIR (a short path: Ray's sockets live there).
+    ray_temp = tmp_path_factory.mktemp("rt")
+    process, url = serve_on_ray_command(default_model, env={"RAY_ADDRESS": other_cluster, "RAY_TMPDIR": str(ray_temp)})
     try:
         answer = httpx.post(f"{url}/completion", json={"prompt": "Hello", "n_predict": 2}, timeout=120)
         assert answer.status_code == 200, answer.text
@@ -431,7 +463,8 @@ def test_serve_ray_without_address_starts_a_private_ray_that_dies_with_it(defaul
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=120) == 0
         deadline = time.monotonic() + 60
-        while left := [pid for pid in ours if alive(pid)]:
+        # its children, and any process of its Ray that left the family (a daemon)
+        while left := [pid for pid in ours if alive(pid)] + processes_using(ray_temp):
             assert time.monotonic() < deadline, f"Ray processes outlived the command: {left}"
             time.sleep(0.2)
         with pytest.raises(httpx.TransportError):
@@ -440,12 +473,13 @@ def test_serve_ray_without_address_starts_a_private_ray_that_dies_with_it(defaul
         if process.poll() is None:
             process.kill()
             process.wait()
+        kill_processes_using(ray_temp)  # after a failure: its Ray outlives a SIGKILL
 
 
 @pytest.mark.slow
 @needs_ray
 def test_serve_ray_with_address_deletes_its_application_on_exit(default_model, other_cluster):
-    process, url = serve_on_ray_command(default_model, "--address", other_cluster, env={})
+    process, url = serve_on_ray_command(default_model, "--address", other_cluster, env=CLUSTER_AUTH)
     try:
         assert httpx.get(f"{url}/health", timeout=60).status_code == 200
         assert applications_on(other_cluster) == ["powerinfer"]

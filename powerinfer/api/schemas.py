@@ -48,7 +48,7 @@ RepeatPenalty = Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
 StopText = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
 Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None
 # Lists are counted before their items are validated (pydantic checks max_length only after), so
-# an oversized list costs its parsing, not its validation, on the event loop.
+# an oversized list costs its parsing, not its validation (powerinfer/server/bodies.py).
 MAX_TOKEN_IDS = 1 << 18
 MAX_MESSAGES = 1 << 14
 
@@ -85,6 +85,8 @@ class Body(BaseModel):
 
 MAX_JSON_VALUES = 1 << 19  # values in one body: the budget of the walk below and of the validation after it
 MAX_JSON_DEPTH = 64  # nesting of arrays and objects in one body
+TOO_MANY_VALUES = f"the body holds more than {MAX_JSON_VALUES} JSON values"
+TOO_DEEP = f"the body is nested more than {MAX_JSON_DEPTH} levels deep"
 
 
 def _check_unicode(value: Any) -> None:
@@ -98,10 +100,10 @@ def _check_unicode(value: Any) -> None:
                 raise ValueError("text holds a lone UTF-16 surrogate (not valid Unicode)")
         elif isinstance(item, (dict, list)):
             if depth >= MAX_JSON_DEPTH:
-                raise ValueError(f"the body is nested more than {MAX_JSON_DEPTH} levels deep")
+                raise ValueError(TOO_DEEP)
             counted += 2 * len(item) if isinstance(item, dict) else len(item)
             if counted > MAX_JSON_VALUES:  # counted before walking: an oversized list costs nothing more
-                raise ValueError(f"the body holds more than {MAX_JSON_VALUES} JSON values")
+                raise ValueError(TOO_MANY_VALUES)
             parts = [*item.keys(), *item.values()] if isinstance(item, dict) else item
             pending.extend((part, depth + 1) for part in parts if isinstance(part, (str, dict, list)))
 

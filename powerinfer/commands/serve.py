@@ -27,6 +27,16 @@ from powerinfer.commands.parsing import (
     positive_int,
 )
 from powerinfer.errors import PowerInferError
+from powerinfer.ops import native
+from powerinfer.server.limits import (
+    DEFAULT_KEEP_ALIVE,
+    DEFAULT_MAX_BODY_MEMORY,
+    DEFAULT_MAX_BODY_SIZE,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_EMBEDDING_TOKENS,
+    DEFAULT_READ_TIMEOUT,
+    DEFAULT_WATCHDOG_SECONDS,
+)
 from powerinfer.server.startup import app_options, check_model, listen
 
 RAY_OPTIONS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "address", "num_cpus", "num_gpus")
@@ -44,15 +54,15 @@ def build_parser() -> OneLineParser:
                         help="port (default: %(default)s; 0 = any free port)")
     parser.add_argument("-np", "--parallel", type=positive_int, default=4,
                         help="sequences decoded together (KV-cache slots); more requests wait in a queue (default: %(default)s)")
-    parser.add_argument("--max-body-size", type=positive_int, default=8 * 1024 * 1024, metavar="BYTES",
-                        help="largest request body accepted; larger ones get 413 (default: 8 MiB)")
+    parser.add_argument("--max-body-size", type=positive_int, default=DEFAULT_MAX_BODY_SIZE, metavar="BYTES",
+                        help=f"largest request body accepted; larger ones get 413 (default: {mib(DEFAULT_MAX_BODY_SIZE)})")
     parser.add_argument("--allowed-hosts", metavar="NAMES",
                         help="comma-separated names the Host header may carry, '*' for any "
                              "(default: loopback names when --host is a loopback address, else any)")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help="require 'Authorization: Bearer KEY' (repeat for several keys)")
     parser.add_argument("--api-key-file", metavar="FILE", help="file of API keys, one a line")
-    parser.add_argument("--watchdog", type=positive_float, default=120.0, metavar="SECONDS",
+    parser.add_argument("--watchdog", type=positive_float, default=DEFAULT_WATCHDOG_SECONDS, metavar="SECONDS",
                         help="/health answers 503 when queued work has waited this long for a scheduler step "
                              "(default: %(default)g)")
     add_ray_options(parser)
@@ -81,19 +91,23 @@ def add_ray_options(parser: argparse.ArgumentParser) -> None:
 def add_limit_options(parser: argparse.ArgumentParser) -> None:
     """`serve`'s limits on clients (docs/serving.md, "Limits and timeouts")."""
     group = parser.add_argument_group("limits", "what one client may take of the server")
-    group.add_argument("--read-timeout", type=number(float, 0, 3600, above=True), default=30.0, metavar="SECONDS",
+    group.add_argument("--read-timeout", type=number(float, 0, 3600, above=True), default=DEFAULT_READ_TIMEOUT, metavar="SECONDS",
                        help="a request's headers, then its body, must each arrive within this long; slower ones "
                             "get 408 and are closed (default: %(default)g)")
-    group.add_argument("--keep-alive", type=number(float, 0, 3600, above=True), default=5.0, metavar="SECONDS",
+    group.add_argument("--keep-alive", type=number(float, 0, 3600, above=True), default=DEFAULT_KEEP_ALIVE, metavar="SECONDS",
                        help="an idle kept-alive connection is closed after this long (default: %(default)g)")
-    group.add_argument("--max-connections", type=number(int, 1, 1_000_000), default=256, metavar="N",
+    group.add_argument("--max-connections", type=number(int, 1, 1_000_000), default=DEFAULT_MAX_CONNECTIONS, metavar="N",
                        help="beyond this many connections or requests in progress, requests get 503 (default: %(default)s)")
-    group.add_argument("--max-body-memory", type=number(int, 1, 2**40), default=64 * 1024 * 1024, metavar="BYTES",
+    group.add_argument("--max-body-memory", type=number(int, 1, 2**40), default=DEFAULT_MAX_BODY_MEMORY, metavar="BYTES",
                        help="bytes of all the request bodies being read at once; a body that would pass it gets 503 "
-                            "(default: 64 MiB)")
-    group.add_argument("--max-embedding-tokens", type=number(int, 1, 2**31), default=32768, metavar="N",
+                            f"(default: {mib(DEFAULT_MAX_BODY_MEMORY)})")
+    group.add_argument("--max-embedding-tokens", type=number(int, 1, 2**31), default=DEFAULT_MAX_EMBEDDING_TOKENS, metavar="N",
                        help="tokens one /v1/embeddings request may ask for, its inputs together; more get 400 "
                             "(default: %(default)s)")
+
+
+def mib(size: int) -> str:
+    return f"{size / 2**20:g} MiB"
 
 
 def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -103,15 +117,34 @@ def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
                         **sparsity_settings(args))
 
 
+MODEL_CHANGED_EXIT = 74  # sysexits' EX_IOERR: the served file failed under the server
+
+
+def exit_if_the_model_changes(model: Any) -> None:
+    """A model file rewritten in place while mapped (cp over it, truncate) faults on the next read
+    of a page it lost (SIGBUS, inside a kernel): the native handler makes that one line and exit
+    status MODEL_CHANGED_EXIT. Without the native module, faulthandler prints every thread's stack:
+    never a silent death."""
+    if sys.__stderr__ is not None:  # the process's own stderr, even while sys.stderr is replaced
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    ops = native.load()
+    if ops is not None:
+        ops.exit_on_bus_error(f"powerinfer serve: error: {model} was changed while served (truncated or rewritten "
+                              "in place, as cp does); exiting. Replace a served file by a rename (mv).\n",
+                              MODEL_CHANGED_EXIT)
+
+
 def main(args: argparse.Namespace) -> int:
     stray = [name for name in RAY_OPTIONS if vars(args)[name] is not None]
     if stray and not args.ray:
         raise PowerInferError(f"--{stray[0].replace('_', '-')} needs --ray")
     if args.ray:
-        from powerinfer.server.ray_app import deployment_options, serve_on_ray
+        from powerinfer.server import ray_app
 
-        deployment_options(args)  # bad flags are refused before the model is looked for
-        return serve_on_ray(args, serve_settings(args))
+        # bad flags and a missing 'ray' extra are refused before the model is looked for (and fetched)
+        ray_app.deployment_options(args)
+        ray_app.import_ray(args.address)
+        return ray_app.serve_on_ray(args, serve_settings(args))
     try:
         import uvicorn
 
@@ -122,15 +155,12 @@ def main(args: argparse.Namespace) -> int:
         raise PowerInferError(f"the server needs the 'serve' extra (pip install 'powerinfer[serve]'): {error}") from None
     from powerinfer.llm import LLM
 
-    # A model file rewritten in place while mapped (cp over it, truncate) faults on the next read
-    # of a missing page: say so on stderr, with every thread's stack, rather than die silently.
-    if sys.__stderr__ is not None:  # the process's own stderr, even while sys.stderr is replaced
-        faulthandler.enable(file=sys.__stderr__, all_threads=True)
     # A missing, foreign or unsupported file is refused before the server starts; rarer load
     # failures stop the server once it runs (it answers 503 on /health while loading).
     options = app_options(args)
     settings = serve_settings(args)
     check_model(settings["model"], args.ctx_size, args.parallel)
+    exit_if_the_model_changes(settings["model"])
     sock = listen(args.host, args.port)
     failures: list[Exception] = []
 

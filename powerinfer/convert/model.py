@@ -30,14 +30,14 @@ from powerinfer.gguf.reader import GGUFTensor, open_gguf
 from powerinfer.gguf.writer import TensorData, write_gguf
 from powerinfer.models import read_config
 from powerinfer.models.ffn import ACTIVATION_THRESHOLDS_KEY
-from powerinfer.models.predictor import LAYER_THRESHOLDS_KEY, SPARSE_THRESHOLD_KEY
+from powerinfer.models.predictor import LAYER_THRESHOLDS_KEY, PREDICTED_SPARSITY_KEY, SPARSE_THRESHOLD_KEY
 from powerinfer.sparsity.predictors import PredictorDirectory
 
 T = GGMLQuantizationType
 _FFN_DOWN = re.compile(r"blk\.(\d+)\.ffn_down\.weight")
 _FFN_DOWN_BIAS = re.compile(r"blk\.\d+\.ffn_down\.bias")
 _PREDICTOR = re.compile(r"blk\.\d+\.fc[12]\.weight")
-_PREDICTOR_KEYS = {SPARSE_THRESHOLD_KEY, LAYER_THRESHOLDS_KEY, ACTIVATION_THRESHOLDS_KEY}
+_PREDICTOR_KEYS = {SPARSE_THRESHOLD_KEY, LAYER_THRESHOLDS_KEY, ACTIVATION_THRESHOLDS_KEY, PREDICTED_SPARSITY_KEY}
 
 TypedValue = tuple[Any, GGUFValueType, GGUFValueType | None]
 
@@ -154,5 +154,7 @@ def write_model(source: ModelSource, outfile: str | Path, outtype: T | Mix | Non
             metadata[LAYER_THRESHOLDS_KEY] = [float(t) for t in predictors.layer_thresholds]
         if predictors.activation_thresholds is not None:
             metadata[ACTIVATION_THRESHOLDS_KEY] = [float(t) for t in predictors.activation_thresholds]
+        if predictors.predicted_sparsity is not None:
+            metadata[PREDICTED_SPARSITY_KEY] = [float(s) for s in predictors.predicted_sparsity]
     write_gguf(outfile, source.architecture, metadata, _output_tensors(source, outtype, predictors, progress),
                powerinfer=predictors is not None or source.has_predictors, typed_metadata=typed, replace=replace)

@@ -18,7 +18,7 @@ from powerinfer.config import FFNActivation
 from powerinfer.errors import PowerInferError, UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
 from powerinfer.models.layers import projection_builder
-from powerinfer.models.predictor import Predictor, has_predictors, load_predictor
+from powerinfer.models.predictor import Predictor, has_predictors, load_predictor, predictor_pays
 from powerinfer.ops import native
 from powerinfer.ops.activation import activate
 from powerinfer.ops.linear import (
@@ -329,7 +329,7 @@ def build_ffn(gguf: GGUFFile, tensors: FFNTensors, unit: int, options: FFNOption
     records when some neurons are to be skipped (or the file stores its down projection per neuron),
     dense otherwise."""
     activation = tensors.activation
-    predicted = options.sparsity == "auto" and has_predictors(gguf)
+    predicted = options.sparsity == "auto" and has_predictors(gguf) and predictor_pays(gguf, unit, activation.is_relu_family)
     if options.float32 or not (predicted or options.sparsity == "oracle" or tensors.transposed):
         return tensors.dense(options.float32)
     store = tensors.neuron_store()

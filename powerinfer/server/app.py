@@ -1,8 +1,8 @@
 """The HTTP app: OpenAI-compatible routes, llama.cpp-style routes, health and metrics.
 
 `create_app(llm)` serves a loaded `LLM`; `create_app(factory)` loads one in a background thread at
-startup, answering 503 on /health (and on the model routes) until it is ready. Tokenizing and
-template rendering run in worker threads, so a large prompt never holds up other requests.
+startup, answering 503 on /health (and on the model routes) until it is ready. Parsing bodies,
+tokenizing and template rendering run in worker threads, so a large request never holds up others.
 `create_app(..., replica=name)` is one of several replicas behind a router (powerinfer/server/ray_app.py).
 """
 
@@ -30,19 +30,34 @@ from powerinfer.llm import LLM
 from powerinfer.logs import cap_log_values
 from powerinfer.runtime.scheduler import Scheduler, one_slice
 from powerinfer.runtime.sequence import GenerationSequence
+from powerinfer.server.bodies import body_workers, json_body
 from powerinfer.server.errors import APIError, install_handlers
-from powerinfer.server.gate import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_MEMORY, DEFAULT_MAX_BODY_SIZE, RequestGate
+from powerinfer.server.gate import RequestGate
 from powerinfer.server.generation import ClientGone, Generation, sliced_result
+from powerinfer.server.limits import (
+    DEFAULT_MAX_BODY_MEMORY,
+    DEFAULT_MAX_BODY_SIZE,
+    DEFAULT_MAX_EMBEDDING_TOKENS,
+    DEFAULT_READ_TIMEOUT,
+    DEFAULT_WATCHDOG_SECONDS,
+)
 from powerinfer.server.metrics import Metrics
 from powerinfer.server.model_names import ANY_NAME, ModelNames
+from powerinfer.server.rendering import json_answer
 from powerinfer.server.replica import REPLICA_LABEL, ReplicaHeader, label_series
 from powerinfer.server.replies import llama_final, llama_stream, openai_stream, responses_stream
 from powerinfer.server.request_log import RequestLog, note_generation
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-DEFAULT_WATCHDOG_SECONDS = 120.0  # a prefill of a long prompt on a large model is one step
-DEFAULT_MAX_EMBEDDING_TOKENS = 32768  # per /v1/embeddings request, all its inputs together
+# Each route's body, parsed and validated off the event loop.
+TokenizeBody = json_body(schemas.TokenizeRequest)
+DetokenizeBody = json_body(schemas.DetokenizeRequest)
+CompletionBody = json_body(schemas.CompletionRequest)
+ChatBody = json_body(schemas.ChatRequest)
+ResponsesBody = json_body(ResponsesRequest)
+EmbeddingBody = json_body(schemas.EmbeddingRequest)
+LlamaCompletionBody = json_body(schemas.LlamaCompletionRequest)
 
 
 class ServerState:
@@ -115,7 +130,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
                allowed_hosts: Collection[str] | None = None, api_keys: Collection[str] = (),
                max_body_size: int = DEFAULT_MAX_BODY_SIZE,
                watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS, replica: str | None = None,
-               max_embedding_tokens: int = DEFAULT_MAX_EMBEDDING_TOKENS, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+               max_embedding_tokens: int = DEFAULT_MAX_EMBEDDING_TOKENS, body_timeout: float = DEFAULT_READ_TIMEOUT,
                max_body_memory: int = DEFAULT_MAX_BODY_MEMORY, model_names: ModelNames = ANY_NAME) -> FastAPI:
     """The server app over `llm` (or a function that loads it), with `parallel` KV-cache slots.
 
@@ -155,7 +170,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
             state.scheduler.close()
 
     app = FastAPI(title="powerinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.server = state
+    app.state.server, app.state.body_workers = state, body_workers()
     app.add_middleware(RequestGate, allowed_hosts=allowed_hosts, api_keys=api_keys, max_body_size=max_body_size,
                        body_timeout=body_timeout, max_body_memory=max_body_memory)
     if replica is not None:  # added last, so outermost: the gate's refusals name the replica too
@@ -208,12 +223,13 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
                 for slot, (busy, cached, decoded) in enumerate(scheduler.slots())]
 
     @app.post("/tokenize")
-    async def tokenize(body: schemas.TokenizeRequest) -> dict:
+    async def tokenize(body: TokenizeBody) -> Response:
         llm, _ = state.ready()
-        return {"tokens": await run_in_threadpool(llm.tokenize, body.content, add_bos=body.add_special, special=True)}
+        return await json_answer({"tokens": await run_in_threadpool(llm.tokenize, body.content, add_bos=body.add_special,
+                                                                    special=True)})
 
     @app.post("/detokenize")
-    async def detokenize(body: schemas.DetokenizeRequest) -> dict:
+    async def detokenize(body: DetokenizeBody) -> Response:
         llm, _ = state.ready()
 
         def checked_text() -> str:  # proportional to the ids: in a worker thread
@@ -223,7 +239,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
                                param="tokens")
             return llm.detokenize(body.tokens, special=True)
 
-        return {"content": await run_in_threadpool(checked_text)}
+        return await json_answer({"content": await run_in_threadpool(checked_text)})
 
     async def openai_answer(body: schemas.OpenAIRequest, prepare: Callable[[LLM, Any], list[Prepared]],
                             request: Request, chat: bool) -> Response:
@@ -248,21 +264,21 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
 
         tasks = [asyncio.ensure_future(whole(reply, start)) for reply, start in zip(replies, starts)]
         try:
-            return JSONResponse(merged(await asyncio.gather(*tasks)))
+            return await json_answer(merged(await asyncio.gather(*tasks)))
         finally:  # one failed: the others stop too
             for task in tasks:
                 task.cancel()
 
     @app.post("/v1/completions")
-    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request, body: CompletionBody) -> Response:
         return await openai_answer(body, prepare_completions, request, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: schemas.ChatRequest, request: Request) -> Response:
+    async def chat_completions(request: Request, body: ChatBody) -> Response:
         return await openai_answer(body, lambda llm, chat: [prepare_chat(llm, chat)], request, chat=True)
 
     @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, request: Request) -> Response:
+    async def responses(request: Request, body: ResponsesBody) -> Response:
         chat = body.chat_request()
         state.check_model(chat.model)
         llm, scheduler = state.ready()
@@ -271,10 +287,10 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
         start = lambda: state.generation(scheduler, prepared.sequences)  # noqa: E731
         if chat.stream:
             return streaming(responses_stream(shape, reply, start))
-        return JSONResponse(shape.whole(reply.whole(await start().result(request))))
+        return await json_answer(shape.whole(reply.whole(await start().result(request))))
 
     @app.post("/v1/embeddings")
-    async def embeddings(body: schemas.EmbeddingRequest, request: Request) -> dict:
+    async def embeddings(request: Request, body: EmbeddingBody) -> Response:
         state.check_model(body.model)
         llm, scheduler = state.ready()
         token_lists = await run_in_threadpool(llm.embedding_ids, body.inputs())
@@ -284,10 +300,12 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
                                 "request (--max-embedding-tokens)", param="input")
         # On the scheduler's thread (one thread drives the model), in slices beside generation.
         vectors = await sliced_result(scheduler.call_sliced(lambda _: llm.embedding_steps(token_lists)), request)
-        return embedding_list(vectors, n_tokens, state.model_id, body.encoding_format)
+        # base64 encoding, as the floats, in a worker thread: thousands of values per input
+        return await json_answer(await run_in_threadpool(embedding_list, vectors, n_tokens, state.model_id,
+                                                         body.encoding_format))
 
     @app.post("/completion")
-    async def llama_completion(body: schemas.LlamaCompletionRequest, request: Request) -> Response:
+    async def llama_completion(request: Request, body: LlamaCompletionBody) -> Response:
         llm, scheduler = state.ready()
         max_tokens = llm.n_ctx if body.n_predict < 0 else body.n_predict
         sequence = await run_in_threadpool(llm.new_sequence, body.prompt, max_tokens, body.stops(), **body.sampling())
@@ -295,7 +313,7 @@ def create_app(llm: LLM | Callable[[], LLM], parallel: int = 1,
         if body.stream:
             return streaming(llama_stream(generation, state.model_id))
         completion = (await generation.result(request))[0]
-        return JSONResponse({"content": completion.text, **llama_final(generation.sequence, completion, state.model_id)})
+        return await json_answer({"content": completion.text, **llama_final(generation.sequence, completion, state.model_id)})
 
     return app
 

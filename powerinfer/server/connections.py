@@ -18,9 +18,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-DEFAULT_READ_TIMEOUT = 30.0
-DEFAULT_KEEP_ALIVE = 5.0  # uvicorn's own default
-DEFAULT_MAX_CONNECTIONS = 256
+from powerinfer.server.limits import DEFAULT_KEEP_ALIVE, DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT
+
 MAX_HEADER_BYTES = 64 * 1024  # a request line and headers together (h11's default is 16 KiB)
 # What a client that sent its headers too slowly gets, written raw: h11 will not send a response
 # before it has read a request.

@@ -18,11 +18,9 @@ from collections.abc import Collection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from powerinfer.server.errors import error_body
+from powerinfer.server.limits import DEFAULT_MAX_BODY_MEMORY, DEFAULT_MAX_BODY_SIZE, DEFAULT_READ_TIMEOUT
 
 log = logging.getLogger(__name__)
-DEFAULT_MAX_BODY_SIZE = 8 * 1024 * 1024
-DEFAULT_BODY_TIMEOUT = 30.0
-DEFAULT_MAX_BODY_MEMORY = 64 * 1024 * 1024
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balancers probe it)
 
@@ -56,7 +54,7 @@ class RequestGate:
     `body_timeout`: seconds for a whole body; `max_body_memory`: bytes of all bodies being read."""
 
     def __init__(self, app: ASGIApp, allowed_hosts: Collection[str] | None = None, api_keys: Collection[str] = (),
-                 max_body_size: int = DEFAULT_MAX_BODY_SIZE, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+                 max_body_size: int = DEFAULT_MAX_BODY_SIZE, body_timeout: float = DEFAULT_READ_TIMEOUT,
                  max_body_memory: int = DEFAULT_MAX_BODY_MEMORY):
         self.app = app
         self.allowed_hosts = None if allowed_hosts is None else frozenset(h.lower() for h in allowed_hosts)
@@ -81,13 +79,7 @@ class RequestGate:
                 await _answer(send, refusal.status, refusal.message,
                               "unavailable_error" if refusal.status == 503 else "invalid_request_error", close=True)
                 return
-            try:
-                body.decode("utf-8")
-            except UnicodeDecodeError as error:
-                await _answer(send, 400, f"the request body is not valid UTF-8 ({error.reason} at byte {error.start})",
-                              "invalid_request_error")
-                return
-            receive = _replay(body, receive)
+            receive = _replay(body, receive)  # decoded and parsed off the event loop: powerinfer/server/bodies.py
         await self.app(scope, receive, send)
 
     def _refusal(self, scope: Scope, headers: dict[str, str]) -> tuple[int, str, str] | None:

@@ -105,8 +105,8 @@ def cpus_per_replica(args: argparse.Namespace) -> float:
     return 1.0 if args.num_cpus is None else args.num_cpus
 
 
-def replica_deployment(llm_settings: dict, app_options: dict):
-    """The deployment: `create_app(**app_options)` over `LLM(**llm_settings)`, one per replica,
+def replica_deployment(llm_settings: dict, app_settings: dict):
+    """The deployment: `create_app(**app_settings)` over `LLM(**llm_settings)`, one per replica,
     named after it."""
     from ray import serve
 
@@ -120,7 +120,7 @@ def replica_deployment(llm_settings: dict, app_options: dict):
     def build_app():  # runs in the replica, after the class's constructor
         context = serve.get_replica_context()
         name = f"{context.deployment}#{context.replica_id.unique_id}"
-        return create_app(load, replica=name, **app_options)
+        return create_app(load, replica=name, **app_settings)
 
     @serve.ingress(build_app)
     class PowerInferReplica:

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
+from powerinfer.sparse.allocate import Allocation, Allocator, Method
+from powerinfer.sparse.calibrate import DEFAULT_TOKENS, calibrate, calibration_chunks
+from powerinfer.sparse.sites import Site
 
 from powerinfer.convert.encode import encode_tensor
 from powerinfer.convert.model import ModelSource, encode_source, gguf_source
@@ -25,9 +28,6 @@ from powerinfer.llm import LLM
 from powerinfer.ops.linear import dequantized
 from powerinfer.ops.quant import T
 from powerinfer.outputs import check_output_file
-from powerinfer.sparse.allocate import Allocation, Allocator, Method
-from powerinfer.sparse.calibrate import DEFAULT_TOKENS, calibrate, calibration_chunks
-from powerinfer.sparse.sites import Site
 from powerinfer.sparse.storage import TARGET_KEY, THRESHOLDS_SUFFIX, columns_name, is_sparsified
 
 DEFAULT_MAX_PPL_INCREASE = 1.02  # on the calibration text; the held-out increase measures a little higher

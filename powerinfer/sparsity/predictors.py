@@ -281,6 +281,7 @@ class PredictorDirectory:
     sparse_threshold: float
     layer_thresholds: list[float] | None
     activation_thresholds: list[float] | None
+    predicted_sparsity: list[float] | None = None  # per layer, on held-out tokens (our training report)
 
     def check_matches(self, n_layers: int, n_embd: int, n_ff: int, where: str) -> None:
         if len(self.fc1) != n_layers:
@@ -305,5 +306,8 @@ def load_predictors(directory: str | Path) -> PredictorDirectory:
         fc2.append(weights[1].float())
     config = load_json(directory / CONFIG_FILE)
     check_one_set(directory, paths, config)  # after reading each: a damaged file is named as such
+    report = config.get("report")
+    predicted = [float(r["predicted_sparsity"]) for r in report] if isinstance(report, list) and \
+        all(isinstance(r, dict) and isinstance(r.get("predicted_sparsity"), (int, float)) for r in report) else None
     return PredictorDirectory(fc1, fc2, float(config.get("sparse_threshold", 0.0)), config.get("layer_thresholds"),
-                              config.get("activation_thresholds"))
+                              config.get("activation_thresholds"), predicted)

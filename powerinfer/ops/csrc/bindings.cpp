@@ -85,6 +85,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("ffn_input", &BlockStep::ffn_input, no_gil)
       .def("add_ffn_output", &BlockStep::add_ffn_output, no_gil);
 
+  m.def("exit_on_bus_error", &exit_on_bus_error, "on SIGBUS (a mapped file truncated), write the message and exit",
+        py::arg("message"), py::arg("status"));
   m.def("decode_attention", &decode_attention, "one new token per row: RoPE, store k/v, attend over each row's cache slot", no_gil);
   m.def("gather_matvec", &gather_matvec, "y[m, j] = dot(section of record idx[j], x[m])", no_gil);
   m.def("accumulate_rows", &accumulate_rows, "y[m] = sum_j a[m, j] * section of record idx[j]", no_gil);

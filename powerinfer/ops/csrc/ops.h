@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 #include "common.h"
@@ -14,6 +15,10 @@ torch::Tensor gather_matvec(torch::Tensor rec, std::vector<int64_t> section, tor
 torch::Tensor accumulate_rows(torch::Tensor rec, std::vector<int64_t> section, torch::Tensor a, torch::Tensor idx);
 torch::Tensor sparse_ffn(torch::Tensor rec, std::vector<int64_t> gate_section, std::vector<int64_t> up_section,
                          std::vector<int64_t> down_section, Activation activation, torch::Tensor x, torch::Tensor idx);
+
+// bus_error.cpp: on SIGBUS (a mapped file truncated under us), write `message` to stderr and exit
+// with `status`, from then on.
+void exit_on_bus_error(const std::string& message, int64_t status);
 
 // attention.cpp
 
