@@ -9,6 +9,7 @@
 #include "predicted_ffn.h"
 #include "projection.h"
 #include "quant_matmul.h"
+#include "sparse_input.h"
 
 namespace py = pybind11;
 using namespace powerinfer;
@@ -54,6 +55,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("chunks", &QuantProjection::chunks)
       .def_readonly("in_features", &QuantProjection::in_features)
       .def_readonly("out_features", &QuantProjection::out_features);
+  py::class_<SparseInputProjection, Projection, std::shared_ptr<SparseInputProjection>>(m, "SparseInputProjection")
+      .def(py::init<torch::Tensor, std::vector<int64_t>, std::vector<int64_t>, torch::Tensor, int64_t>(),
+           "column records uint8 [in, bytes] (per part the raw GGML rows of a transposed weight), the parts' GGML "
+           "types and output counts, float32 thresholds [in] (a row skips channel i where |x_i| <= thresholds[i]), "
+           "the most rows computed sparsely (more: all channels)")
+      .def_readonly("records", &SparseInputProjection::records)
+      .def_readonly("thresholds", &SparseInputProjection::thresholds)
+      .def_readonly("in_features", &SparseInputProjection::in_features)
+      .def_readonly("out_features", &SparseInputProjection::out_features)
+      .def_property_readonly("last_selected", &SparseInputProjection::last_selected,
+                             "(row, channel) pairs the last call computed");
+  m.attr("SPARSE_COLUMN_BATCH") = COLUMN_BATCH;
 
   py::class_<AttentionSpec>(m, "AttentionSpec", "what decode_attention computes besides plain attention (ops.h)")
       .def(py::init([](int64_t n_head, int64_t n_kv, int64_t rope_dim, bool neox, int64_t window, float scale, float softcap) {

@@ -1,0 +1,1 @@
+"""Sparse computation: input-sparse linears on column layouts (columns.py)."""
