@@ -34,6 +34,7 @@ from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.kv_cache import CACHE_TYPES, cache_bytes, check_cache_fits
 from powerinfer.runtime.sampling import SamplingParams
 from powerinfer.runtime.sequence import Completion, GenerationSequence
+from powerinfer.sparse.storage import TARGET_KEY, is_sparsified
 from powerinfer.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -68,8 +69,9 @@ class LLM:
     `cache_type`: what the KV cache holds in CPU memory, "f16" (llama.cpp's default; half the memory)
     or "f32" (the default with dtype="float32"); an accelerator's cache is float16.
 
-    `sparsity`: "auto" computes only the FFN neurons the model's predictors expect to fire (dense
-    when the file has no predictors); "off" computes all of them; "oracle" computes every activation
+    `sparsity`: "auto" computes only the FFN neurons the model's predictors expect to fire, or, in a
+    `sparsify` output, only the input channels of each linear above their thresholds (dense when the
+    file has neither); "off" computes all of them; "oracle" computes every activation
     and skips the neurons with |activation| <= a per-layer threshold (`thresholds`, else the file's
     calibrated ones, else 0 for ReLU-family models) in the down projection: for verification.
 
@@ -131,6 +133,8 @@ class LLM:
             raise PowerInferError(f"{len(thresholds)} thresholds given for a model of {self.config.n_ffn_units} FFNs "
                                   "(one per layer, or per expert)")
         placed = vram_budget is not None or n_gpu_layers is not None
+        if placed and is_sparsified(gguf):
+            raise PowerInferError(f"{self.path}: a sparsified file runs on the CPU only; place its dense source instead")
         if placed and dtype == "float32":
             raise PowerInferError("placing weights on an accelerator needs dtype 'auto' (float32 mode runs on the CPU)")
         self.placement = self._placement(gguf, parallel, vram_budget, n_gpu_layers, gpu_index, activations,
@@ -145,7 +149,8 @@ class LLM:
         self.n_params = sum(t.n_elements for t in gguf.tensors.values())
         self.quant_label = file_type_label(gguf)  # llama.cpp's label, e.g. "Q4_K - Medium"
         predicted = any(getattr(unit.ffn, "mode", None) == "auto" for unit in self.model.ffn_units())
-        self.sparsity = sparsity if sparsity != "auto" else "predictors" if predicted else "off"
+        self.sparsity = sparsity if sparsity != "auto" else "predictors" if predicted else \
+            f"inputs {gguf.get(TARGET_KEY):.0%}" if is_sparsified(gguf) else "off"
         self.load_seconds = time.perf_counter() - started
 
     def summary(self) -> str:

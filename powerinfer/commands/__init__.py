@@ -21,6 +21,7 @@ COMMANDS = {
     "profile": "count which FFN neurons fire over calibration text",
     "train-predictors": "train per-layer activation predictors (PowerInfer's format)",
     "convert": "Hugging Face folder or GGUF -> GGUF (PowerInfer GGUF with predictors)",
+    "sparsify": "training-free input sparsity for every linear of a SiLU/GELU model, calibrated on a text",
     "quantize": "re-encode a (PowerInfer) GGUF's weights (Q4_0 ... Q6_K, llama.cpp's K-quant mixes)",
     "place": "solve which FFN neurons go to the accelerator for a VRAM budget",
     "inspect": "plot activation statistics (the power-law figure)",

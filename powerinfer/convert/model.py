@@ -82,7 +82,7 @@ def _float(tensor: np.ndarray | GGUFTensor) -> np.ndarray:
     return quants.dequantize(tensor.data, tensor.ggml_type).reshape(tensor.shape).astype(np.float32, copy=False)
 
 
-def _encode(name: str, tensor: np.ndarray | GGUFTensor, outtype: T | None) -> TensorData:
+def encode_source(name: str, tensor: np.ndarray | GGUFTensor, outtype: T | None) -> TensorData:
     """`tensor` as `outtype` (None: a GGUF tensor keeps its type, a float array becomes F16)."""
     if isinstance(tensor, GGUFTensor) and (outtype is None or outtype == tensor.ggml_type or len(tensor.shape) == 1):
         data = tensor.data if tensor.ggml_type in (T.F32, T.F16) else tensor.rows_as_bytes()
@@ -112,7 +112,7 @@ def _predictor_tensors(layer: int, predictors: PredictorDirectory, outtype: T | 
                        facts: ModelFacts | None) -> Iterator[TensorData]:
     for name, weight in ((f"blk.{layer}.fc1.weight", predictors.fc1[layer]), (f"blk.{layer}.fc2.weight", predictors.fc2[layer])):
         array = weight.float().numpy()
-        yield _encode(name, array, _chosen_type(name, array.shape, outtype, facts))
+        yield encode_source(name, array, _chosen_type(name, array.shape, outtype, facts))
 
 
 def _output_tensors(source: ModelSource, outtype: T | Mix | None, predictors: PredictorDirectory | None,
@@ -128,12 +128,12 @@ def _output_tensors(source: ModelSource, outtype: T | Mix | None, predictors: Pr
             down_t = np.ascontiguousarray(_float(tensor).T)
             down_t_name = f"blk.{layer}.ffn_down_t.weight"
             chosen = _down_t_type(tensor) if outtype is None else _chosen_type(down_t_name, down_t.shape, outtype, source.facts)
-            yield _encode(down_t_name, down_t, chosen)
+            yield encode_source(down_t_name, down_t, chosen)
             yield from _predictor_tensors(layer, predictors, outtype, source.facts)
             continue
         if predictors is not None and _FFN_DOWN_BIAS.fullmatch(name):
             name = name.replace(".ffn_down.", ".ffn_down_t.")  # PowerInfer's name for it (OPT)
-        yield _encode(name, tensor, _chosen_type(name, tuple(tensor.shape), outtype, source.facts))
+        yield encode_source(name, tensor, _chosen_type(name, tuple(tensor.shape), outtype, source.facts))
 
 
 def write_model(source: ModelSource, outfile: str | Path, outtype: T | Mix | None = None,

@@ -99,7 +99,7 @@ class DecoderLM(CausalLM):
             gguf.release_pages()  # the block holds its own copies: the file's pages would double the peak memory
         self.output_norm = self.norm.load(gguf, "output_norm", config.norm_eps)
         tied = "output.weight" not in gguf.tensors
-        self.output: Linear = projection_builder(gguf, options.float32)("token_embd.weight" if tied else "output.weight")
+        self.output: Linear = projection_builder(gguf, options)("token_embd.weight" if tied else "output.weight")
         self.output_device = CPU
 
     @abstractmethod

@@ -57,7 +57,7 @@ class FalconModel(DecoderLM):
 
     def build_block(self, gguf: GGUFFile, i: int, options: FFNOptions) -> FalconBlock:
         config = self.config
-        linear = projection_builder(gguf, options.float32)
+        linear = projection_builder(gguf, options)
         # attn_qkv holds all Q heads, then all K heads, then all V heads (the converter reorders them)
         attention = Attention(i, linear(f"blk.{i}.attn_qkv.weight"), linear(f"blk.{i}.attn_output.weight"),
                               config.n_head, config.n_head_kv, config.head_dim, self.rope)

@@ -17,6 +17,7 @@ from gguf import quants
 from powerinfer.config import FFNActivation
 from powerinfer.errors import PowerInferError, UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
+from powerinfer.models.layers import projection_builder
 from powerinfer.models.predictor import Predictor, has_predictors, load_predictor, predictor_pays
 from powerinfer.ops import native
 from powerinfer.ops.activation import activate
@@ -32,6 +33,7 @@ from powerinfer.ops.linear import (
 from powerinfer.ops.neuron import NeuronStore, accumulate_rows, gather_matvec, sparse_ffn
 from powerinfer.ops.quant import FLOAT_TYPES, T
 from powerinfer.options import SparsityMode
+from powerinfer.sparse.storage import columns_name
 
 MAX_SPARSE_ROWS = 8  # beyond this many tokens at once (prefill) the FFN runs as masked dense GEMMs
 DENSE_SLICE = 2048  # neurons whose weights those GEMMs expand at a time
@@ -150,10 +152,11 @@ class FFN:
 class DenseFFN(FFN):
     """The feed-forward block computed for every neuron."""
 
-    def __init__(self, up: Linear, down: Linear, activation: FFNActivation, tensors: FFNTensors):
-        # `up` holds [gate; up] stacked for gated activations, `up` alone otherwise.
+    def __init__(self, up: Linear, down: Linear, activation: FFNActivation, tensors: FFNTensors | None):
+        # `up` holds [gate; up] stacked for gated activations, `up` alone otherwise. `tensors`: None
+        # for a `sparsify` output's FFN (whose linears are not rebuilt elsewhere).
         self.up, self.down, self.activation, self.tensors = up, down, activation, tensors
-        self.n_ff = tensors.n_ff
+        self.n_ff = down.in_features
 
     def activations(self, h: torch.Tensor) -> torch.Tensor:
         return activate(self.up(h), self.activation)
@@ -308,6 +311,17 @@ def _oracle_threshold(gguf: GGUFFile, unit: int, activation: FFNActivation, opti
         return 0.0
     raise PowerInferError(f"{gguf.path}: oracle sparsity on a {activation.value} model needs calibrated thresholds "
                           "(run `powerinfer profile` and pass them, or convert with predictors)")
+
+
+def input_sparse_ffn(gguf: GGUFFile, layer: int, activation: FFNActivation, options: FFNOptions) -> DenseFFN:
+    """Block `layer`'s FFN in a `sparsify` output: dense in form, its linears that the file stores by
+    columns skipping their input's small channels (sparse/storage.py)."""
+    linear = projection_builder(gguf, options)
+    name = lambda part: f"blk.{layer}.{part}.weight"  # noqa: E731
+    # without ffn_gate, ffn_up holds the gate rows then the up rows (Phi-3's gate_up_proj)
+    has_gate = any(n in gguf.tensors for n in (name("ffn_gate"), columns_name(name("ffn_gate"))))
+    up = linear(name("ffn_gate"), name("ffn_up")) if activation.is_gated and has_gate else linear(name("ffn_up"))
+    return DenseFFN(up, linear(name("ffn_down")), activation, None)
 
 
 def build_ffn(gguf: GGUFFile, tensors: FFNTensors, unit: int, options: FFNOptions) -> DenseFFN | SparseFFN:

@@ -7,6 +7,7 @@ import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,11 @@ from powerinfer.gguf.reader import GGUFFile, GGUFTensor
 from powerinfer.ops.linear import CPU, BiasedLinear, Linear, build_linear, float_vector, mapped_tensor
 from powerinfer.ops.quant import dequantize_rows
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
+from powerinfer.sparse.columns import column_linear
+from powerinfer.sparse.storage import site_thresholds, stored_by_columns
+
+if TYPE_CHECKING:
+    from powerinfer.models.ffn import FFNOptions
 
 
 class Embedding:
@@ -83,18 +89,24 @@ class LayerNorm:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
-def projection_builder(gguf: GGUFFile, float32: bool) -> Callable[..., Linear]:
+def projection_builder(gguf: GGUFFile, options: FFNOptions) -> Callable[..., Linear]:
     """`linear(*weight_names)`: one linear layer from weight tensors that share their input, plus
-    their biases (`<name>.bias`) when the file has them (a part without one gets zeros)."""
+    their biases (`<name>.bias`) when the file has them (a part without one gets zeros). A file from
+    `sparsify` may store the layer by columns: it then skips its input's small channels (none with
+    sparsity "off")."""
 
     def linear(*names: str) -> Linear:
-        tensors = [gguf.tensor(n) for n in names]
-        layer = build_linear(tensors, float32, release_pages=gguf.release_pages)
+        columns = stored_by_columns(gguf, names)
+        if columns is not None:
+            layer = column_linear(columns, site_thresholds(gguf, names[0], options.sparsity != "off"))
+            widths = [t.shape[1] for t in columns]
+        else:
+            layer = build_linear([gguf.tensor(n) for n in names], options.float32, release_pages=gguf.release_pages)
+            widths = [gguf.tensor(n).shape[0] for n in names]
         biases = [gguf.tensors.get(n.removesuffix(".weight") + ".bias") for n in names]
         if all(b is None for b in biases):
             return layer
-        return BiasedLinear(layer, torch.cat([torch.zeros(t.shape[0]) if b is None else float_vector(b)
-                                              for t, b in zip(tensors, biases)]))
+        return BiasedLinear(layer, torch.cat([torch.zeros(w) if b is None else float_vector(b) for w, b in zip(widths, biases)]))
 
     return linear
 

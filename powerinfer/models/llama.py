@@ -154,7 +154,7 @@ class LlamaModel(DecoderLM):
 
     def build_block(self, gguf: GGUFFile, i: int, options: FFNOptions) -> LlamaBlock:
         config = self.config
-        linear = projection_builder(gguf, options.float32)
+        linear = projection_builder(gguf, options)
         layer_options = attention_options(gguf, i, config)
         attention = Attention(i, linear(*self.qkv_names(i)), linear(f"blk.{i}.attn_output.weight"), config.n_head,
                               config.n_head_kv, config.head_dim, self.layer_rope(layer_options), layer_options)

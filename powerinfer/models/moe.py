@@ -15,9 +15,10 @@ import torch
 
 from powerinfer.config import ModelConfig
 from powerinfer.gguf.reader import GGUFFile
-from powerinfer.models.ffn import DenseFFN, FFNOptions, FFNTensors, SparseFFN, build_ffn
+from powerinfer.models.ffn import DenseFFN, FFNOptions, FFNTensors, SparseFFN, build_ffn, input_sparse_ffn
 from powerinfer.models.layers import projection_builder
 from powerinfer.ops.linear import CPU, Linear
+from powerinfer.sparse.storage import is_sparsified
 
 Expert = DenseFFN | SparseFFN
 Run = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]  # (expert, h rows, residual rows) -> output rows
@@ -101,8 +102,10 @@ def ffn_unit_tensors(gguf: GGUFFile, config: ModelConfig) -> list[FFNTensors]:
 
 def layer_ffn(gguf: GGUFFile, layer: int, config: ModelConfig, options: FFNOptions) -> DenseFFN | SparseFFN | MoEFFN:
     """Block `layer`'s FFN: one FFN, or its experts behind their router when the model has experts."""
+    if is_sparsified(gguf):  # sparsify refuses mixtures of experts
+        return input_sparse_ffn(gguf, layer, config.activation, options)
     if not config.n_expert:
         return build_ffn(gguf, FFNTensors.read(gguf, layer, config.activation), layer, options)
-    router = projection_builder(gguf, options.float32)(f"blk.{layer}.ffn_gate_inp.weight")
+    router = projection_builder(gguf, options)(f"blk.{layer}.ffn_gate_inp.weight")
     experts = [build_ffn(gguf, t, config.ffn_unit(layer, t.expert), options) for t in expert_tensors(gguf, layer, config)]
     return MoEFFN(router, experts, config.n_expert_used, config.ffn_unit(layer, 0))

@@ -33,7 +33,7 @@ class OPTModel(DecoderLM):
 
     def build_block(self, gguf: GGUFFile, i: int, options: FFNOptions) -> Block:
         config = self.config
-        linear = projection_builder(gguf, options.float32)
+        linear = projection_builder(gguf, options)
         t = lambda name: f"blk.{i}.{name}.weight"  # noqa: E731
         attention = Attention(i, linear(t("attn_q"), t("attn_k"), t("attn_v")), linear(t("attn_output")),
                               config.n_head, config.n_head_kv, config.head_dim, rope=None)

@@ -320,6 +320,7 @@ class BiasedLinear(Linear):
     def __init__(self, linear: Linear, bias: torch.Tensor):
         self.linear, self.bias = linear, bias.float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.sources = linear.sources
 
     def to(self, device: torch.device) -> BiasedLinear:
         return BiasedLinear(self.linear.to(device), self.bias.to(device))

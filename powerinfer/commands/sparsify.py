@@ -1,0 +1,52 @@
+"""`powerinfer sparsify -m MODEL -f CALIB.txt -o OUT.gguf`: training-free input sparsity (TEAL-style)
+for every linear of every block, calibrated on a text (powerinfer/sparse/sparsify.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from powerinfer.commands.files import add_force_option, read_text
+from powerinfer.commands.model_flags import add_model_source, model_path
+from powerinfer.commands.parsing import MAX_THREADS, OneLineParser, command_parser, number, positive_int, unit_interval
+from powerinfer.outputs import check_output_file
+from powerinfer.sparse.allocate import METHODS
+
+DEFAULT_TOKENS = 8192
+
+
+def build_parser() -> OneLineParser:
+    parser = command_parser("sparsify")
+    add_model_source(parser)
+    parser.add_argument("-t", "--threads", type=number(int, 1, MAX_THREADS),
+                        help="CPU threads (default: torch's choice, the physical cores)")
+    parser.add_argument("-f", "--file", required=True, help="calibration text (e.g. wikitext-2 valid.txt; never the test text)")
+    parser.add_argument("--tokens", type=positive_int, default=DEFAULT_TOKENS,
+                        help="calibration tokens (default: %(default)s)")
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--target-sparsity", type=unit_interval,
+                        help="fraction of the block weights to skip per token, spread across layers and projections")
+    target.add_argument("--max-ppl-increase", type=number(float, 1), metavar="FACTOR",
+                        help="the most sparsity whose perplexity on the calibration text stays within FACTOR times the "
+                             "dense model's (default: 1.02 unless --target-sparsity is given)")
+    parser.add_argument("--allocation", choices=METHODS, default="global",
+                        help="how the target is spread: uniform (every site alike, TEAL's baseline), blockwise (TEAL's "
+                             "greedy per block), global (the same greedy across the whole model) (default: %(default)s)")
+    parser.add_argument("-o", "--output", required=True, help="the sparsified GGUF")
+    add_force_option(parser)
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    from powerinfer.sparse.sparsify import Target, sparsify
+
+    check_output_file(args.output, args.force)
+    text = read_text(args.file)
+    from powerinfer.llm import LLM
+
+    llm = LLM(model_path(args), threads=args.threads, sparsity="off")  # calibrated dense
+    allocation = sparsify(llm, text, args.output, Target(args.target_sparsity, args.max_ppl_increase), args.force,
+                          args.tokens, args.allocation)
+    print(f"wrote {args.output}: {allocation.sparsity:.1%} of the block weights skipped per token on the calibration "
+          f"text ({allocation.criterion} thresholds, {allocation.method} allocation)", file=sys.stderr)
+    return 0

@@ -1,0 +1,168 @@
+"""`powerinfer sparsify` end to end (issue 25): a tiny random model of each SwiGLU/GeGLU architecture
+is sparsified on the repository's calibration text; the gguf package reads the file back; the
+sparsified model decodes as the masked-dense model of its source computes (the thresholds applied to
+each linear's input), runs dense with --sparsity off, and the command refuses bad input in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from powerinfer import LLM
+from powerinfer.gguf import open_gguf
+from powerinfer.sparse.sites import masked, model_sites
+from powerinfer.sparse.sparsify import Target, sparsify
+from powerinfer.sparse.storage import COLUMNS_SUFFIX, THRESHOLDS_SUFFIX
+from powerinfer.tokenizer import Tokenizer
+
+from conftest import convert_each, make_tiny_llama
+from helpers import assert_one_line_error, powerinfer
+from tiny_architectures import GEMMA, PHI, SMALL
+
+CALIBRATION = Path(__file__).parent / "data" / "wikitext-2" / "valid.txt"
+VOCAB = 49152  # the default model's tokenizer (the calibration text needs a real one)
+ARCHITECTURES = {
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**dict(SMALL, vocab_size=VOCAB))),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**dict(SMALL, vocab_size=VOCAB, head_dim=32))),
+    "phi3": lambda: Phi3ForCausalLM(Phi3Config(**dict(PHI, vocab_size=VOCAB))),
+    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**dict(GEMMA, vocab_size=VOCAB, num_hidden_layers=2,
+                                                                 head_dim=32, query_pre_attn_scalar=32))),
+}
+PROMPT = "The tower is 324 metres tall, about the same height as an 81-storey building"
+
+
+def save_tiny(folder: Path, name: str, default_model: Path) -> Path:
+    """A tiny random model of architecture `name` with the default model's tokenizer, as Q8_0 (its
+    columns re-quantized to Q8_0 lose almost nothing: the comparisons below see the sparsity)."""
+    if name == "llama":
+        make_tiny_llama(folder, "silu")
+    else:
+        torch.manual_seed(0)
+        model = ARCHITECTURES[name]().eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 1:
+                    p.add_(0.1 * torch.randn_like(p))
+        model.save_pretrained(folder)
+    Tokenizer.from_gguf(open_gguf(default_model)).backend.save(str(folder / "tokenizer.json"))
+    return convert_each(folder, ("q8_0",))["q8_0"]
+
+
+@pytest.fixture(scope="module", params=["llama", *ARCHITECTURES])
+def sparsified(request, tmp_path_factory, default_model) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp(request.param)
+    source = save_tiny(folder, request.param, default_model)
+    output = folder / "sparse.gguf"
+    sparsify(LLM(source, sparsity="off"), CALIBRATION.read_text(), output, Target(sparsity=0.5), n_tokens=1024,
+             progress=False)
+    return source, output
+
+
+def decode_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """The logits of each position, one token per step (the single-row path that skips channels)."""
+    engine = llm.engine
+    engine.release(0)
+    return torch.stack([engine.extend(0, [i])[-1].float() for i in ids])
+
+
+def test_the_gguf_package_reads_the_sparsified_file(sparsified):
+    source, output = sparsified
+    names = {t.name: t for t in GGUFReader(output).tensors}
+    columns = [n for n in names if n.endswith(COLUMNS_SUFFIX + ".weight")]
+    assert columns, "no linear was stored by columns"
+    for name in columns:
+        row_name = name.replace(COLUMNS_SUFFIX + ".weight", ".weight")
+        assert row_name not in names  # one copy of each weight
+        assert tuple(names[name].shape) == tuple(GGUFReader(source).get_tensor(
+            [t.name for t in GGUFReader(source).tensors].index(row_name)).shape)[::-1]
+    thresholds = [n for n in names if n.endswith(THRESHOLDS_SUFFIX)]
+    assert thresholds and all(np.all(names[n].data >= 0) for n in thresholds)
+
+
+def test_sparsified_model_decodes_as_its_masked_dense_form(sparsified):
+    """Each token alone: the sparsified file's logits are those of the same file run dense
+    (--sparsity off) with every stored site's input masked by the file's thresholds (TEAL's
+    selection: channel i read when |x_i| > threshold_i), and differ from the unmasked ones."""
+    _, output = sparsified
+    sparse, dense = LLM(output), LLM(output, sparsity="off")
+    ids = sparse.tokenize(PROMPT)[:24]
+    ours = decode_logits(sparse, ids)
+    thresholds = {name.removesuffix(THRESHOLDS_SUFFIX): torch.from_numpy(np.array(t.data, dtype=np.float32))
+                  for name, t in open_gguf(output).tensors.items() if name.endswith(THRESHOLDS_SUFFIX)}
+    with masked(model_sites(dense.model), thresholds):
+        expected = decode_logits(dense, ids)
+    unmasked = decode_logits(dense, ids)
+    error = (ours - expected).abs().max()
+    assert error < 1e-3 * expected.abs().max()
+    assert (ours - unmasked).abs().max() > 100 * error
+
+
+def test_sparsity_off_runs_the_sparsified_file_dense(sparsified):
+    """--sparsity off: the source's logits, up to the columns' re-quantization (Q8_0 here)."""
+    source, output = sparsified
+    off, dense = LLM(output, sparsity="off"), LLM(source)
+    ids = off.tokenize(PROMPT)[:16]
+    ours, expected = decode_logits(off, ids), decode_logits(dense, ids)
+    # relative RMS: each side rounds activations (bfloat16 or int8, per kernel) besides the columns' Q8_0
+    assert torch.linalg.norm(ours - expected) < 0.03 * torch.linalg.norm(expected)
+    text = LLM(output).create_completion(PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
+    assert isinstance(text, str) and text  # generation runs end to end
+
+
+# ---------------------------------------------------------------- refusals
+
+@pytest.fixture(scope="module")
+def relu_model(tmp_path_factory, default_model) -> Path:
+    folder = tmp_path_factory.mktemp("relu")
+    make_tiny_llama(folder, "relu")
+    Tokenizer.from_gguf(open_gguf(default_model)).backend.save(str(folder / "tokenizer.json"))
+    return convert_each(folder, ("q8_0",))["q8_0"]
+
+
+def test_sparsify_refuses_a_relu_model(relu_model, tmp_path):
+    result = powerinfer("sparsify", "-m", str(relu_model), "-f", str(CALIBRATION), "-o", str(tmp_path / "out.gguf"))
+    assert_one_line_error(result, "ReLU", "predictor")
+
+
+@pytest.mark.parametrize("text", ["", "too short to calibrate on"])
+def test_sparsify_refuses_an_empty_or_short_calibration_text(sparsified, tmp_path, text):
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text(text)
+    result = powerinfer("sparsify", "-m", str(sparsified[0]), "-f", str(calibration), "-o", str(tmp_path / "out.gguf"))
+    assert_one_line_error(result, "calibration text too short")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--target-sparsity", "1.5"], "--target-sparsity"),
+    (["--target-sparsity", "lots"], "--target-sparsity"),
+    (["--max-ppl-increase", "0.9"], "--max-ppl-increase"),
+    (["--target-sparsity", "0.3", "--max-ppl-increase", "1.05"], "not allowed with"),
+])
+def test_sparsify_refuses_an_unknown_target(tmp_path, flags, message):
+    result = powerinfer("sparsify", "-m", str(tmp_path / "never-read.gguf"), "-f", str(CALIBRATION),
+                        "-o", str(tmp_path / "out.gguf"), *flags)
+    assert_one_line_error(result, message)
+
+
+def test_sparsify_keeps_an_existing_output(sparsified, tmp_path):
+    output = tmp_path / "out.gguf"
+    output.write_bytes(b"the user's file")
+    result = powerinfer("sparsify", "-m", str(sparsified[0]), "-f", str(CALIBRATION), "-o", str(output))
+    assert_one_line_error(result, "exists", "--force")
+    assert output.read_bytes() == b"the user's file"
