@@ -14,8 +14,6 @@ from gguf import GGUFReader
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
@@ -108,9 +106,11 @@ def test_sparsified_model_decodes_as_its_masked_dense_form(sparsified):
     with masked(model_sites(dense.model), thresholds):
         expected = decode_logits(dense, ids)
     unmasked = decode_logits(dense, ids)
+    # the reference runs the torch path, the file the native step; the column kernel rounds each
+    # group of channels' coefficients to int8 on AVX2: a few tenths of a percent per linear
     error = (ours - expected).abs().max()
-    assert error < 1e-3 * expected.abs().max()
-    assert (ours - unmasked).abs().max() > 100 * error
+    assert error < 1e-2 * expected.abs().max()
+    assert (ours - unmasked).abs().max() > 10 * error
 
 
 def test_sparsity_off_runs_the_sparsified_file_dense(sparsified):
@@ -119,8 +119,9 @@ def test_sparsity_off_runs_the_sparsified_file_dense(sparsified):
     off, dense = LLM(output, sparsity="off"), LLM(source)
     ids = off.tokenize(PROMPT)[:16]
     ours, expected = decode_logits(off, ids), decode_logits(dense, ids)
-    # relative RMS: each side rounds activations (bfloat16 or int8, per kernel) besides the columns' Q8_0
-    assert torch.linalg.norm(ours - expected) < 0.03 * torch.linalg.norm(expected)
+    # relative RMS: besides the columns' Q8_0, each side rounds activations its own way (AVX2: the
+    # dense kernel x per 32 inputs, the column kernel x·d per group of channels, both to int8)
+    assert torch.linalg.norm(ours - expected) < 0.06 * torch.linalg.norm(expected)
     text = LLM(output).create_completion(PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
     assert isinstance(text, str) and text  # generation runs end to end
 

@@ -29,9 +29,10 @@ def build_parser() -> OneLineParser:
     target.add_argument("--max-ppl-increase", type=number(float, 1), metavar="FACTOR",
                         help="the most sparsity whose perplexity on the calibration text stays within FACTOR times the "
                              "dense model's (default: 1.02 unless --target-sparsity is given)")
-    parser.add_argument("--allocation", choices=METHODS, default="global",
+    parser.add_argument("--allocation", choices=METHODS, default="blockwise",
                         help="how the target is spread: uniform (every site alike, TEAL's baseline), blockwise (TEAL's "
-                             "greedy per block), global (the same greedy across the whole model) (default: %(default)s)")
+                             "greedy per block: the least perplexity on SmolLM2), global (one greedy across the model) "
+                             "(default: %(default)s)")
     parser.add_argument("-o", "--output", required=True, help="the sparsified GGUF")
     add_force_option(parser)
     return parser

@@ -14,9 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
-from powerinfer.sparse.allocate import Allocation, Allocator, Method
-from powerinfer.sparse.calibrate import DEFAULT_TOKENS, calibrate, calibration_chunks
-from powerinfer.sparse.sites import Site
 
 from powerinfer.convert.encode import encode_tensor
 from powerinfer.convert.model import ModelSource, encode_source, gguf_source
@@ -28,6 +25,9 @@ from powerinfer.llm import LLM
 from powerinfer.ops.linear import dequantized
 from powerinfer.ops.quant import T
 from powerinfer.outputs import check_output_file
+from powerinfer.sparse.allocate import Allocation, Allocator, Method
+from powerinfer.sparse.calibrate import DEFAULT_CHUNK, DEFAULT_TOKENS, calibrate, calibration_chunks
+from powerinfer.sparse.sites import Site
 from powerinfer.sparse.storage import TARGET_KEY, THRESHOLDS_SUFFIX, columns_name, is_sparsified
 
 DEFAULT_MAX_PPL_INCREASE = 1.02  # on the calibration text; the held-out increase measures a little higher
@@ -50,10 +50,10 @@ class Target:
     sparsity: float | None = None
     max_ppl_increase: float | None = None
 
-    def allocate(self, allocator: Allocator) -> Allocation:
+    def allocate(self, allocator: Allocator, method: Method) -> Allocation:
         if self.sparsity is not None:
-            return allocator.allocate(self.sparsity)
-        return allocator.within_perplexity(self.max_ppl_increase or DEFAULT_MAX_PPL_INCREASE)
+            return allocator.allocate(self.sparsity, method)
+        return allocator.within_perplexity(self.max_ppl_increase or DEFAULT_MAX_PPL_INCREASE, method)
 
 
 def column_type(source: T, out_features: int) -> T:
@@ -65,16 +65,17 @@ def column_type(source: T, out_features: int) -> T:
 
 
 def sparsify(llm: LLM, text: str, output: str | os.PathLike[str], target: Target = Target(), force: bool = False,
-             n_tokens: int | None = DEFAULT_TOKENS, method: Method = "global", progress: bool = True) -> Allocation:
+             n_tokens: int | None = DEFAULT_TOKENS, method: Method = "blockwise", progress: bool = True) -> Allocation:
     """Write `output`: `llm`'s file (loaded dense) sparsified on the calibration `text`, the target
     spread across sites by `method` (allocate.py); returns the allocation it holds."""
     check_output_file(output, force)
     _check_model(llm)
     tokenizer = llm.tokenizer
+    # chunks as long as perplexity's (or the context, if shorter): the statistics of long-range positions
     chunks = calibration_chunks(tokenizer.encode(text, add_bos=False), tokenizer.bos_id if tokenizer.add_bos else None,
-                                n_tokens)
+                                n_tokens, min(DEFAULT_CHUNK, llm.n_ctx))
     calibration = calibrate(llm.model, chunks, progress=progress)
-    allocation = target.allocate(Allocator(calibration, method=method, progress=progress))
+    allocation = target.allocate(Allocator(calibration, progress=progress), method)
     paying = [s for s in calibration.sites if allocation.sites[s.name].sparsity >= MIN_PAYING_SPARSITY]
     source = gguf_source(llm.path)
     metadata = {**source.metadata, TARGET_KEY: float(allocation.sparsity)}
