@@ -24,14 +24,15 @@ LLAMA_CPP_FLAGS = {
                  ("-ctv", "f32", "cache_type_v", "f32")]
        for command in MODEL_COMMANDS},
     **{command: [("-hf", "org/name", "hf_repo", "org/name"), ("-hfr", "org/name", "hf_repo", "org/name"),
-                 ("-hff", "f.gguf", "hf_file", "f.gguf")] for command in ("place", "pull", "show")},
+                 ("-hff", "f.gguf", "hf_file", "f.gguf")] for command in ("place", "pull", "show", "sparsify")},
 }
 LLAMA_CPP_FLAGS["run"] += [("-cnv", None, "conversation", True), ("-no-cnv", None, "conversation", False),
                            ("-sys", "be brief", "system", "be brief")]
 LLAMA_CPP_FLAGS["chat"] += [("-sys", "be brief", "system", "be brief"), ("-cnv", None, "conversation", True)]
 LLAMA_CPP_FLAGS["serve"] += [("-np", "2", "parallel", 2), ("-cb", None, "cont_batching", True)]
 REQUIRED = {"perplexity": ["-f", "t.txt"], "profile": ["-f", "t.txt", "-o", "out"],
-            "train-predictors": ["-f", "t.txt", "-o", "out"], "place": ["--vram-budget", "1"]}
+            "train-predictors": ["-f", "t.txt", "-o", "out"], "place": ["--vram-budget", "1"],
+            "sparsify": ["-f", "t.txt", "-o", "out"]}
 
 
 def command_parsers() -> dict[str, argparse.ArgumentParser]:
