@@ -9,10 +9,11 @@ import sys
 from powerinfer.commands.files import add_force_option, read_text
 from powerinfer.commands.model_flags import add_model_source, model_path
 from powerinfer.commands.parsing import MAX_THREADS, OneLineParser, command_parser, number, positive_int, unit_interval
+from powerinfer.llm import LLM
 from powerinfer.outputs import check_output_file
 from powerinfer.sparse.allocate import METHODS
-
-DEFAULT_TOKENS = 8192
+from powerinfer.sparse.calibrate import DEFAULT_TOKENS
+from powerinfer.sparse.sparsify import DEFAULT_MAX_PPL_INCREASE, Target, sparsify
 
 
 def build_parser() -> OneLineParser:
@@ -28,7 +29,7 @@ def build_parser() -> OneLineParser:
                         help="fraction of the block weights to skip per token, spread across layers and projections")
     target.add_argument("--max-ppl-increase", type=number(float, 1), metavar="FACTOR",
                         help="the most sparsity whose perplexity on the calibration text stays within FACTOR times the "
-                             "dense model's (default: 1.02 unless --target-sparsity is given)")
+                             f"dense model's (default: {DEFAULT_MAX_PPL_INCREASE} unless --target-sparsity is given)")
     parser.add_argument("--allocation", choices=METHODS, default="blockwise",
                         help="how the target is spread: uniform (every site alike, TEAL's baseline), blockwise (TEAL's "
                              "greedy per block: the least perplexity on SmolLM2), global (one greedy across the model) "
@@ -39,12 +40,8 @@ def build_parser() -> OneLineParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from powerinfer.sparse.sparsify import Target, sparsify
-
     check_output_file(args.output, args.force)
     text = read_text(args.file)
-    from powerinfer.llm import LLM
-
     llm = LLM(model_path(args), threads=args.threads, sparsity="off")  # calibrated dense
     allocation = sparsify(llm, text, args.output, Target(args.target_sparsity, args.max_ppl_increase), args.force,
                           args.tokens, args.allocation)
