@@ -7,8 +7,8 @@ are whole super-blocks of 256). A fused projection (q, k and v) keeps several tr
 side by side along the outputs: channel i's record holds its column of each.
 
 The native executor is `SparseInputProjection` (powerinfer/ops/csrc/sparse_input.h): up to
-`SPARSE_MAX_ROWS` rows compute only their active channels, more rows (prefill) compute all of
-them. On AVX2 (and AVX-512) CPUs it rounds Q4_0 and Q4_1 coefficients x_i d_i to int8 per block of
+`SPARSE_MAX_ROWS` rows read only their active channels' columns, more rows (prefill) read all of
+them, each row's skipped channels set to 0 (the same result: logits do not depend on batching). On AVX2 (and AVX-512) CPUs it rounds Q4_0 and Q4_1 coefficients x_i d_i to int8 per block of
 32 outputs and batch of channels, as the dense AVX2 kernel rounds x to int8 per 32 inputs; other
 types, and the scalar path, multiply float32 x by the dequantized weights. `sparse_reference` is
 the plain-torch reference, used where the native module is absent.
@@ -28,7 +28,7 @@ from powerinfer.ops import native
 from powerinfer.ops.linear import Linear, mapped_tensor
 from powerinfer.ops.quant import BLOCK_TYPES, T, dequantize_rows
 
-# Calls with more rows than this compute every channel (prefill): a union of many rows' channels
+# Calls with more rows than this read every column (prefill): a union of many rows' channels
 # is most of them, and a matrix product of dequantized tiles is then faster than column sums
 # (measured, 4096 x 4096 Q4_0, one thread, AVX2: 9 rows 5.4 ms sparse vs 13.3 ms tiles, 64 rows
 # 35 vs 30 ms).
@@ -73,10 +73,9 @@ def transpose_quantize(weight: torch.Tensor, ggml_type: T) -> ColumnMatrix:
 
 def sparse_reference(matrices: Sequence[ColumnMatrix], thresholds: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """What the native projection computes, in plain torch: the channels above threshold of each row
-    (all of them beyond SPARSE_MAX_ROWS rows) times the dequantized columns, float32."""
+    times the dequantized columns, float32."""
     x = x.float()
-    if x.shape[0] <= SPARSE_MAX_ROWS:
-        x = torch.where(x.abs() > thresholds, x, torch.zeros_like(x))
+    x = torch.where(x.abs() > thresholds, x, torch.zeros_like(x))
     return x @ torch.cat([m.dequantized() for m in matrices], dim=1)
 
 

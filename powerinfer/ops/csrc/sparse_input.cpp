@@ -206,8 +206,11 @@ torch::Tensor SparseInputProjection::sparse_rows(const torch::Tensor& x) const {
   return y;
 }
 
-torch::Tensor SparseInputProjection::all_channels(const torch::Tensor& x) const {
-  selected_.store(x.size(0) * in_features, std::memory_order_relaxed);
+torch::Tensor SparseInputProjection::all_channels(const torch::Tensor& x_all) const {
+  // the rows' own selections, as zeros: a row's result does not depend on the size of its call
+  const auto active = x_all.abs() > thresholds;
+  selected_.store(active.sum().item<int64_t>(), std::memory_order_relaxed);
+  const auto x = x_all * active;
   const int64_t stride = records.size(1);
   const int64_t tile_rows = std::clamp<int64_t>(TILE_BYTES / (4 * out_features), 1, in_features);
   auto y = torch::zeros({x.size(0), out_features}, x.options());

@@ -20,8 +20,9 @@
 //   scalar path: float32 x_i times the dequantized weight, in float32.
 // A row's sums depend on its own selection only, and threads split the outputs (never the channels),
 // so a row's result is the same bits whatever rows, threads or selections share the call.
-// Many rows (prefill): every channel, columns dequantized a tile at a time to float32 and
-// multiplied by torch's matrix product (the records stay the only copy of the weights).
+// Many rows (prefill): each row's skipped channels set to 0, then every column dequantized a tile at a
+// time to float32 and multiplied by torch's matrix product (the records stay the only copy of the
+// weights): the same selection as the sparse path, so logits do not depend on how rows are batched.
 // Plain-torch reference: powerinfer/sparse/columns.py.
 #pragma once
 
@@ -69,7 +70,7 @@ struct SparseInputProjection : Projection {
   torch::Tensor thresholds;  // float32 [in]: channel i is active in a row where |x_i| > thresholds[i]
   std::vector<int64_t> types, part_outputs;
   int64_t in_features, out_features;
-  int64_t sparse_max_rows;  // calls with more rows take the prefill path (all channels)
+  int64_t sparse_max_rows;  // calls with more rows take the prefill path (all columns read)
 
   // raw_records: per channel, its column of each part as raw GGML blocks; types, part_outputs: per
   // part, its GGML type and its number of outputs (a multiple of the type's block).
@@ -77,7 +78,7 @@ struct SparseInputProjection : Projection {
                         torch::Tensor thresholds, int64_t sparse_max_rows);
   torch::Tensor operator()(const torch::Tensor& x) const override;
 
-  // (row, channel) pairs computed by the last call (rows times in_features on the prefill path).
+  // (row, channel) pairs the last call selected.
   int64_t last_selected() const { return selected_.load(std::memory_order_relaxed); }
 
  private:
