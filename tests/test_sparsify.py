@@ -24,8 +24,9 @@ from transformers import (
 
 from powerinfer import LLM
 from powerinfer.gguf import open_gguf
+from powerinfer.sparse.allocate import Allocator
 from powerinfer.sparse.sites import masked, model_sites
-from powerinfer.sparse.sparsify import Target, sparsify
+from powerinfer.sparse.sparsify import Target, calibration_of, sparsify, write_sparsified
 from powerinfer.sparse.storage import COLUMNS_SUFFIX, THRESHOLDS_SUFFIX
 from powerinfer.tokenizer import Tokenizer
 
@@ -124,6 +125,21 @@ def test_sparsity_off_runs_the_sparsified_file_dense(sparsified):
     assert torch.linalg.norm(ours - expected) < 0.06 * torch.linalg.norm(expected)
     text = LLM(output).create_completion(PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
     assert isinstance(text, str) and text  # generation runs end to end
+
+
+def test_one_calibration_writes_what_sparsify_writes(tmp_path, default_model):
+    """write_sparsified on a calibration computed once (calibration_of) writes, for each target and
+    allocation, the very bytes `sparsify` writes after calibrating on its own."""
+    source = save_tiny(tmp_path, "llama", default_model)
+    llm = LLM(source, sparsity="off")
+    text = CALIBRATION.read_text()
+    allocator = Allocator(calibration_of(llm, text, 1024, progress=False), progress=False)
+    for target, method in ((0.3, "uniform"), (0.5, "blockwise")):
+        plain, reused = tmp_path / f"plain-{method}.gguf", tmp_path / f"reused-{method}.gguf"
+        sparsify(LLM(source, sparsity="off"), text, plain, Target(sparsity=target), n_tokens=1024, method=method,
+                 progress=False)
+        write_sparsified(llm, allocator, reused, Target(sparsity=target), method, progress=False)
+        assert reused.read_bytes() == plain.read_bytes()
 
 
 # ---------------------------------------------------------------- refusals

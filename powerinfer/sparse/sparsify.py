@@ -26,7 +26,7 @@ from powerinfer.ops.linear import dequantized
 from powerinfer.ops.quant import T
 from powerinfer.outputs import check_output_file
 from powerinfer.sparse.allocate import Allocation, Allocator, Method
-from powerinfer.sparse.calibrate import DEFAULT_CHUNK, DEFAULT_TOKENS, calibrate, calibration_chunks
+from powerinfer.sparse.calibrate import DEFAULT_CHUNK, DEFAULT_TOKENS, Calibration, calibrate, calibration_chunks
 from powerinfer.sparse.sites import Site
 from powerinfer.sparse.storage import TARGET_KEY, THRESHOLDS_SUFFIX, columns_name, is_sparsified
 
@@ -69,13 +69,29 @@ def sparsify(llm: LLM, text: str, output: str | os.PathLike[str], target: Target
     """Write `output`: `llm`'s file (loaded dense) sparsified on the calibration `text`, the target
     spread across sites by `method` (allocate.py); returns the allocation it holds."""
     check_output_file(output, force)
+    allocator = Allocator(calibration_of(llm, text, n_tokens, progress), progress=progress)
+    return write_sparsified(llm, allocator, output, target, method, force, progress)
+
+
+def calibration_of(llm: LLM, text: str, n_tokens: int | None = DEFAULT_TOKENS, progress: bool = True) -> Calibration:
+    """The sites of `llm` (loaded dense) calibrated on `text`: what `sparsify` measures before it
+    allocates, to be reused by several `write_sparsified` calls (one calibration, many targets)."""
     _check_model(llm)
     tokenizer = llm.tokenizer
     # chunks as long as perplexity's (or the context, if shorter): the statistics of long-range positions
     chunks = calibration_chunks(tokenizer.encode(text, add_bos=False), tokenizer.bos_id if tokenizer.add_bos else None,
                                 n_tokens, min(DEFAULT_CHUNK, llm.n_ctx))
-    calibration = calibrate(llm.model, chunks, progress=progress)
-    allocation = target.allocate(Allocator(calibration, progress=progress), method)
+    return calibrate(llm.model, chunks, progress=progress)
+
+
+def write_sparsified(llm: LLM, allocator: Allocator, output: str | os.PathLike[str], target: Target = Target(),
+                     method: Method = "blockwise", force: bool = False, progress: bool = True) -> Allocation:
+    """Write `output`: `llm`'s file sparsified by the allocation `target` and `method` give on the
+    calibration of `allocator` (of `llm`'s own model: calibration_of); returns that allocation."""
+    check_output_file(output, force)
+    _check_model(llm)
+    calibration = allocator.calibration
+    allocation = target.allocate(allocator, method)
     paying = [s for s in calibration.sites if allocation.sites[s.name].sparsity >= MIN_PAYING_SPARSITY]
     source = gguf_source(llm.path)
     metadata = {**source.metadata, TARGET_KEY: float(allocation.sparsity)}
