@@ -15,7 +15,7 @@ import platform
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,15 +153,18 @@ def llama_cpp_isa(llama_cpp) -> str:
 
 @dataclass
 class Measured:
-    """A perplexity and its standard error."""
+    """A perplexity and its standard error; `extra`: what else the run measured (see run_perplexity)."""
 
     ppl: float
     error: float
+    extra: dict = field(default_factory=dict)
 
 
-def run_perplexity(logits_of: Callable[[], Callable], chunks, label: str, cache: Path | None) -> Measured:
+def run_perplexity(logits_of: Callable[[], Callable], chunks, label: str, cache: Path | None,
+                   extra: Callable[[], dict] | None = None) -> Measured:
     """Perplexity over `chunks` with the logits function `logits_of()` makes; with `cache`, a row
-    measured before on the same chunks is read back (so a long run can be done in parts)."""
+    measured before on the same chunks is read back (so a long run can be done in parts).
+    `extra()`, called after the run, gives more figures of it, kept with the row."""
     from powerinfer.tools.perplexity import perplexity
 
     saved = None
@@ -174,7 +177,7 @@ def run_perplexity(logits_of: Callable[[], Callable], chunks, label: str, cache:
     from tqdm import tqdm
 
     *_, result = tqdm(perplexity(logits_of(), chunks), total=len(chunks), desc=label, unit="chunk", file=sys.stderr)
-    measured = Measured(result.ppl, result.error)
+    measured = Measured(result.ppl, result.error, extra() if extra else {})
     if saved is not None:
         cache.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(asdict(measured)))
@@ -196,3 +199,48 @@ def llama_cpp_logits(model: str, threads: int, n_ctx: int):
         return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
 
     return logits_of
+
+
+# ---------------------------------------------------------------- decode speed (our engine)
+
+def decode_rate(llm, prompt: list[int], n_gen: int) -> float:
+    """Greedy single-token decode steps after `prompt` (tok/s), on `llm`'s engine from an empty slot."""
+    import time
+
+    engine = llm.engine
+    engine.release(0)
+    engine.extend(0, prompt)
+    token = prompt[-1]
+    started = time.perf_counter()
+    for _ in range(n_gen):
+        token = int(engine.extend(0, [token])[-1].argmax())
+    return n_gen / (time.perf_counter() - started)
+
+
+def linear_bytes_read(llm) -> float:
+    """The block linears' and the output head's bytes that `llm`'s last single-token step read: a
+    column layout's share of its channels (what its last call selected), the other linears whole.
+    (The token embedding's one row and the norms are left out: a few KB.)"""
+    from powerinfer.sparse.columns import ColumnLinear
+    from powerinfer.sparse.sites import model_sites
+
+    total = float(llm.model.output.nbytes)
+    for site in model_sites(llm.model):
+        linear = site.linear
+        if isinstance(linear, ColumnLinear):
+            total += linear.nbytes * linear.last_selected / linear.in_features
+        else:
+            total += linear.nbytes
+    return total
+
+
+def bytes_per_token(llm, prompt: list[int], n_gen: int) -> float:
+    """Mean of `linear_bytes_read` over `n_gen` greedy decode steps after `prompt` (untimed)."""
+    engine = llm.engine
+    engine.release(0)
+    engine.extend(0, prompt)
+    token, total = prompt[-1], 0.0
+    for _ in range(n_gen):
+        token = int(engine.extend(0, [token])[-1].argmax())
+        total += linear_bytes_read(llm)
+    return total / n_gen

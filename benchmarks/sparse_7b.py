@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -35,10 +34,9 @@ from powerinfer.gguf.writer import TensorData, write_gguf
 from powerinfer.hub import pull_default_model
 from powerinfer.ops import native
 from powerinfer.ops.quant import T, random_blocks
-from powerinfer.sparse.columns import ColumnLinear
 from powerinfer.sparse.sparsify import Target, sparsify
 
-from common import LLAMA_CPP_BUILDS, machine_description, wikitext
+from common import LLAMA_CPP_BUILDS, bytes_per_token, decode_rate, machine_description, wikitext
 
 N_EMBD, N_FF, N_HEAD, N_LAYERS = 4096, 11008, 32, 8
 RESULTS = Path(__file__).parent / "results"
@@ -90,30 +88,6 @@ def make_dense(kind: str, path: Path) -> None:
     write_gguf(path, "llama", config, tensors(), typed_metadata=typed, progress=True)
 
 
-def decode_rate(llm: LLM, prompt: list[int], n_gen: int) -> float:
-    engine = llm.engine
-    engine.release(0)
-    engine.extend(0, prompt)
-    token = prompt[-1]
-    started = time.perf_counter()
-    for _ in range(n_gen):
-        token = int(engine.extend(0, [token])[-1].argmax())
-    return n_gen / (time.perf_counter() - started)
-
-
-def bytes_per_token(llm: LLM) -> float:
-    """The linears' bytes one token reads: a column layout's share of its channels measured on the
-    last call (a single-token step), the rest whole."""
-    total = llm.model.output.nbytes
-    for block in llm.model.blocks:
-        for linear in (block.attention.qkv, block.attention.output, block.ffn.up, block.ffn.down):
-            if isinstance(linear, ColumnLinear):
-                total += linear.nbytes * linear.last_selected / linear.in_features
-            else:
-                total += linear.nbytes
-    return total
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", nargs="+", default=["Q4_0", "Q4_K_M"])
@@ -149,7 +123,8 @@ def main() -> None:
         dense_rate = statistics.median(rates["dense"])
         for label, llm in llms.items():
             rate = statistics.median(rates[label])
-            lines.append(f"| {kind} | {label} | {rate:.2f} | {rate / dense_rate:.2f}x | {bytes_per_token(llm) / 1e6:.0f} |")
+            lines.append(f"| {kind} | {label} | {rate:.2f} | {rate / dense_rate:.2f}x | "
+                         f"{bytes_per_token(llm, prompt, args.n_gen) / 1e6:.0f} |")
             print(lines[-1], flush=True)
     header = (f"# Input sparsity at 7B width: decode tok/s, sparsified vs dense\n\n"
               f"Measured {datetime.date.today()} on {machine_description()}; {args.threads} threads; kernels "
