@@ -76,6 +76,7 @@ class Row:
     method: str
     target: float | None
     path: Callable[[], Path]
+    engine_sparsity: str = "auto"  # the LLM's `sparsity`: "off" runs a sparsified file's columns dense
     ppl: float = 0.0
     error: float = 0.0
     sparsity: float = 0.0
@@ -120,8 +121,8 @@ class SelectionCounter:
     """Logits of a file through the engine (one forward per chunk), counting after each forward the
     channels each column layout selected: the model-wide share of block-linear weights skipped."""
 
-    def __init__(self, path: Path, threads: int):
-        self.llm = LLM(str(path), n_ctx=N_CTX, n_batch=N_CTX, threads=threads)
+    def __init__(self, path: Path, threads: int, sparsity: str):
+        self.llm = LLM(str(path), n_ctx=N_CTX, n_batch=N_CTX, threads=threads, sparsity=sparsity)
         self.sites = model_sites(self.llm.model)
         self.total_weights = sum(s.weight_count for s in self.sites)
         self.skipped = self.rows = 0.0
@@ -145,7 +146,7 @@ def measure_ppl(row: Row, chunks: list[list[int]], key: str, args) -> None:
     counter: list[SelectionCounter] = []
 
     def logits_of():
-        counter.append(SelectionCounter(row.path(), args.threads))
+        counter.append(SelectionCounter(row.path(), args.threads, row.engine_sparsity))
         return counter[0]
 
     def extra() -> dict:
@@ -158,7 +159,7 @@ def measure_ppl(row: Row, chunks: list[list[int]], key: str, args) -> None:
 
 
 def measure_speed(row: Row, args) -> None:
-    llm = LLM(str(row.path()), threads=args.threads)
+    llm = LLM(str(row.path()), threads=args.threads, sparsity=row.engine_sparsity)
     prompt = llm.tokenize(SPEED_PROMPT)
     rates = [decode_rate(llm, prompt, args.n_gen) for _ in range(args.reps + 1)][1:]  # the first warms up
     row.speed = {"tok_s": statistics.median(rates), "bytes": bytes_per_token(llm, prompt, args.n_gen)}
@@ -178,6 +179,10 @@ def measure_model(name: str, n_chunks: int, args) -> tuple[str, list[Row]]:
     if args.default_point:
         rows.append((Row(f"default (blockwise, ≤ {DEFAULT_MAX_PPL_INCREASE}x PPL on valid)", "default", None,
                          partial(calibrated.file, "blockwise", None)), f"{source.stem} {calibrated.digest} default"))
+        # the same file with every channel read: what the columns' re-quantization alone costs
+        rows.append((Row("default file, sparsity off (re-quantization alone)", "requantized", None,
+                         partial(calibrated.file, "blockwise", None), "off"),
+                     f"{source.stem} {calibrated.digest} default sparsity off"))
     for target in args.targets:
         for method in args.methods:
             rows.append((Row(f"{method} {target:.0%}", method, target, partial(calibrated.file, method, target)),
@@ -186,7 +191,7 @@ def measure_model(name: str, n_chunks: int, args) -> tuple[str, list[Row]]:
         measure_ppl(row, test, key, args)
         if args.speed:
             measure_speed(row, args)
-    shown = ("dense", *METHODS, "default")
+    shown = ("dense", *METHODS, "default", "requantized")
     rows.sort(key=lambda r: (shown.index(r[0].method), r[0].target))
     return f"{source.name} ({len(test)} chunks)", [row for row, _ in rows]
 
