@@ -160,6 +160,12 @@ class Measured:
     extra: dict = field(default_factory=dict)
 
 
+def cached_row(cache: Path, chunks, label: str) -> Path:
+    """Where run_perplexity keeps the row `label` measured on `chunks` in `cache`."""
+    digest = hashlib.sha256(json.dumps(chunks).encode()).hexdigest()[:16]
+    return cache / f"{label.replace(' ', '_').replace('%', 'pct')}-{digest}.json"
+
+
 def run_perplexity(logits_of: Callable[[], Callable], chunks, label: str, cache: Path | None,
                    extra: Callable[[], dict] | None = None) -> Measured:
     """Perplexity over `chunks` with the logits function `logits_of()` makes; with `cache`, a row
@@ -169,8 +175,7 @@ def run_perplexity(logits_of: Callable[[], Callable], chunks, label: str, cache:
 
     saved = None
     if cache is not None:
-        digest = hashlib.sha256(json.dumps(chunks).encode()).hexdigest()[:16]
-        saved = cache / f"{label.replace(' ', '_').replace('%', 'pct')}-{digest}.json"
+        saved = cached_row(cache, chunks, label)
         if saved.exists():
             print(f"{label}: measured before ({saved})", file=sys.stderr)
             return Measured(**json.loads(saved.read_text()))

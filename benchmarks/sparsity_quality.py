@@ -53,6 +53,7 @@ from common import (
     ROOT,
     benchmark_model,
     bytes_per_token,
+    cached_row,
     decode_rate,
     machine_description,
     run_perplexity,
@@ -187,6 +188,8 @@ def measure_model(name: str, n_chunks: int, args) -> tuple[str, list[Row]]:
         for method in args.methods:
             rows.append((Row(f"{method} {target:.0%}", method, target, partial(calibrated.file, method, target)),
                          f"{source.stem} {calibrated.digest} {method} {target:.0%}"))
+    if args.cached_only:
+        rows = [(row, key) for row, key in rows if cached_row(args.cache, test, key).exists()]
     for row, key in rows:
         measure_ppl(row, test, key, args)
         if args.speed:
@@ -298,12 +301,16 @@ def main() -> int:
                         help="also the file at sparsify's default target")
     parser.add_argument("-t", "--threads", type=int, default=2)
     parser.add_argument("--cache", type=Path, default=None, help="keep each measured perplexity row here and reuse it")
+    parser.add_argument("--cached-only", action="store_true",
+                        help="the table of the rows in --cache only (a run done in parts, not finished)")
     parser.add_argument("--speed", action="store_true", help="also decode tok/s and bytes read per token of each file")
     parser.add_argument("--n-gen", type=int, default=64, help="tokens per decode run (--speed)")
     parser.add_argument("--reps", type=int, default=5, help="decode runs per file (--speed)")
     parser.add_argument("-o", "--output", type=Path, default=RESULTS)
     parser.add_argument("--plot", type=Path, default=PLOT)
     args = parser.parse_args()
+    if args.cached_only and args.cache is None:
+        parser.error("--cached-only needs --cache")
     if unknown := set(args.methods) - set(METHODS):
         parser.error(f"--methods: unknown {', '.join(sorted(unknown))} (expected {', '.join(METHODS)})")
     models = args.model or ["smollm2", "gemma3-270m"]
