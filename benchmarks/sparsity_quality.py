@@ -3,7 +3,8 @@ sparsified files themselves.
 
 For each model: one calibration on wikitext-2 valid.txt only, with `powerinfer sparsify`'s defaults
 (`calibration_of`); from it, for each allocation method and target, the file `sparsify` writes
-(`write_sparsified`: the linears' columns re-quantized into a block type, thresholds per site), and
+(`write_sparsified` with `all_sites`: every skipping site's columns re-quantized into a block type,
+thresholds per site, whatever this CPU's timings say pays), and
 the file at sparsify's default operating point (its default target: the largest sparsity within
 DEFAULT_MAX_PPL_INCREASE of the dense perplexity on the calibration text). Each file's perplexity
 on test.txt (llama.cpp's method, c=512) is measured through the engine, `LLM(file)` with
@@ -91,7 +92,10 @@ class Calibrated:
     def __init__(self, source: Path, threads: int):
         self.source, self.threads = source, threads
         self.text = wikitext("valid.txt")
-        inputs = f"{source.name} {source.stat().st_size} {DEFAULT_TOKENS} {hashlib.sha256(self.text.encode()).hexdigest()}"
+        # "all-sites": every skipping site stored by columns (sparsify's all_sites), whatever this CPU's
+        # timings say pays, so that the figures are the allocation's on any machine
+        inputs = (f"all-sites {source.name} {source.stat().st_size} {DEFAULT_TOKENS} "
+                  f"{hashlib.sha256(self.text.encode()).hexdigest()}")
         self.digest = hashlib.sha256(inputs.encode()).hexdigest()[:10]
 
     @cached_property
@@ -109,7 +113,7 @@ class Calibrated:
         if not path.exists():
             SPARSE_FILES.mkdir(parents=True, exist_ok=True)
             print(f"writing {path}", file=sys.stderr)
-            write_sparsified(self.llm, self.allocator, path, Target(sparsity=target), method)
+            write_sparsified(self.llm, self.allocator, path, Target(sparsity=target), method, all_sites=True)
         return path
 
 
