@@ -17,7 +17,6 @@ from powerinfer.gguf.file_type import file_type_label
 from powerinfer.gguf.reader import GGUFFile, open_gguf
 from powerinfer.hub import resolve_model
 from powerinfer.models import load_model, read_config
-from powerinfer.models.ffn import FFNOptions
 from powerinfer.options import (
     DEFAULT_DTYPE,
     DEFAULT_N_BATCH,
@@ -34,6 +33,7 @@ from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.kv_cache import CACHE_TYPES, cache_bytes, check_cache_fits
 from powerinfer.runtime.sampling import SamplingParams
 from powerinfer.runtime.sequence import Completion, GenerationSequence
+from powerinfer.sparse.ffn import FFNOptions
 from powerinfer.sparse.storage import TARGET_KEY, is_sparsified
 from powerinfer.tokenizer import Tokenizer
 

@@ -25,10 +25,10 @@ from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.writer import write_gguf
 from powerinfer.models import load_model
-from powerinfer.models.ffn import FFNOptions
 from powerinfer.models.layers import _softcapped_attention
 from powerinfer.ops import native
 from powerinfer.runtime.engine import Engine
+from powerinfer.sparse.ffn import FFNOptions
 
 from conftest import convert_each
 from helpers import activation_rounding_factor, assert_one_line_error, powerinfer

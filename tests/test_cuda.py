@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from powerinfer import LLM
 from powerinfer.config import FFNActivation
-from powerinfer.models.hybrid_ffn import HybridFFN, KernelNeurons, RecordNeurons
 from powerinfer.ops.linear import CPU, build_linear
+from powerinfer.sparse.hybrid import HybridFFN, KernelNeurons, RecordNeurons
 
 from helpers import decode_and_prefill_logits, place_everything, random_store, random_tensor
 

@@ -21,15 +21,15 @@ from powerinfer.config import FFNActivation
 from powerinfer.errors import PowerInferError
 from powerinfer.gguf import open_gguf
 from powerinfer.models import load_model, read_config
-from powerinfer.models.ffn import MAX_SPARSE_ROWS, DenseFFN, FFNOptions, SparseFFN
-from powerinfer.models.hybrid_ffn import HybridFFN
-from powerinfer.models.predictor import Predictor
 from powerinfer.placement.apply import apply_placement
 from powerinfer.placement.costs import ModelShape, Speeds, dense_parts, model_shape
 from powerinfer.placement.gpu_index import index_path, read_gpu_index
 from powerinfer.placement.solver import Plan, plan_from_counts
 from powerinfer.placement.spec import DensePlacement, Placement
 from powerinfer.runtime.engine import Engine
+from powerinfer.sparse.ffn import MAX_SPARSE_ROWS, DenseFFN, FFNOptions, SparseFFN
+from powerinfer.sparse.hybrid import HybridFFN
+from powerinfer.sparse.predictor import Predictor
 
 from helpers import decode_and_prefill_logits, place_everything, random_store
 

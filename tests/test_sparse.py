@@ -7,7 +7,7 @@ import torch
 
 from powerinfer.config import FFNActivation
 from powerinfer.errors import PowerInferError
-from powerinfer.models.ffn import DenseFFN, SparseFFN
+from powerinfer.sparse.ffn import DenseFFN, SparseFFN
 
 from helpers import decode_logits, engine
 
@@ -76,11 +76,11 @@ def test_one_token_native_call_equals_the_python_steps(activation):
     run as one native call, with the Python steps' result bit for bit."""
     from gguf import GGMLQuantizationType as T
 
-    from powerinfer.models.ffn import union
-    from powerinfer.models.predictor import Predictor
     from powerinfer.ops import native
     from powerinfer.ops.linear import build_linear
-    from powerinfer.ops.neuron import NeuronStore, sparse_ffn, sparse_ffn_reference
+    from powerinfer.sparse.ffn import union
+    from powerinfer.sparse.neurons import NeuronStore, sparse_ffn, sparse_ffn_reference
+    from powerinfer.sparse.predictor import Predictor
 
     from conftest import quantized_rows
 

@@ -12,7 +12,6 @@ from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.architecture import Architecture
 from powerinfer.models.base import DecoderLM
-from powerinfer.models.ffn import FFNOptions
 from powerinfer.models.layers import (
     Attention,
     DecoderBlock,
@@ -24,6 +23,7 @@ from powerinfer.models.layers import (
 from powerinfer.models.moe import layer_ffn
 from powerinfer.models.tensors import TensorTable, add_attention, add_embedding_and_head, add_ffn, add_norm
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
+from powerinfer.sparse.ffn import FFNOptions
 
 
 class FalconBlock(DecoderBlock):

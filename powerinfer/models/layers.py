@@ -22,7 +22,7 @@ from powerinfer.sparse.columns import column_linear
 from powerinfer.sparse.storage import site_thresholds, stored_by_columns
 
 if TYPE_CHECKING:
-    from powerinfer.models.ffn import FFNOptions
+    from powerinfer.sparse.ffn import FFNOptions
 
 
 class Embedding:

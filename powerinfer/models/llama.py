@@ -12,7 +12,6 @@ from powerinfer.config import RMS_NORM_EPS_KEY, ArchitectureDefaults, FFNActivat
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.architecture import Architecture
 from powerinfer.models.base import DecoderLM
-from powerinfer.models.ffn import DenseFFN, FFNOptions
 from powerinfer.models.layers import (
     Attention,
     AttentionOptions,
@@ -27,6 +26,7 @@ from powerinfer.models.tensors import rms_decoder_tensors
 from powerinfer.ops import native
 from powerinfer.ops.linear import BiasedLinear, float_vector
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
+from powerinfer.sparse.ffn import DenseFFN, FFNOptions
 
 
 class LlamaBlock(Block):

@@ -15,9 +15,9 @@ import torch
 
 from powerinfer.config import ModelConfig
 from powerinfer.gguf.reader import GGUFFile
-from powerinfer.models.ffn import DenseFFN, FFNOptions, FFNTensors, SparseFFN, build_ffn, input_sparse_ffn
 from powerinfer.models.layers import projection_builder
 from powerinfer.ops.linear import CPU, Linear
+from powerinfer.sparse.ffn import DenseFFN, FFNOptions, FFNTensors, SparseFFN, build_ffn, input_sparse_ffn
 from powerinfer.sparse.storage import is_sparsified
 
 Expert = DenseFFN | SparseFFN

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from powerinfer.models.base import DecoderLM
-from powerinfer.models.ffn import DenseFFN, SparseFFN
-from powerinfer.models.hybrid_ffn import HybridFFN
 from powerinfer.models.moe import MoEFFN
 from powerinfer.placement.spec import Placement
+from powerinfer.sparse.ffn import DenseFFN, SparseFFN
+from powerinfer.sparse.hybrid import HybridFFN
 
 
 def apply_placement(model: DecoderLM, placement: Placement) -> None:

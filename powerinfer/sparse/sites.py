@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from powerinfer.errors import UnsupportedModelError
-from powerinfer.models.ffn import DenseFFN
 from powerinfer.models.layers import Block
 from powerinfer.ops.linear import Linear
+from powerinfer.sparse.ffn import DenseFFN
 
 # kind -> (the block's part, the part's attribute holding the linear whose input the site is)
 SITE_PARTS: dict[str, tuple[str, str]] = {

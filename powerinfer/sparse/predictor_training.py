@@ -35,8 +35,8 @@ from powerinfer.errors import PowerInferError
 from powerinfer.models.base import CausalLM
 from powerinfer.outputs import OwnedNames, atomic_directory
 from powerinfer.runtime.engine import Engine
-from powerinfer.sparsity.files import load_json, load_torch_file, numbered_files
-from powerinfer.sparsity.profiler import calibration_chunks, observe_ffn
+from powerinfer.sparse.folders import load_json, load_torch_file, numbered_files
+from powerinfer.sparse.profiler import calibration_chunks, observe_ffn
 
 SPLITS = (0.8, 0.1, 0.1)  # train, calibration (threshold), held-out (report)
 COLLECT_BYTES = 4 << 30  # collected activations per pass over the text; more layers take more passes

@@ -26,7 +26,7 @@ from powerinfer.errors import PowerInferError
 from powerinfer.models.base import CausalLM
 from powerinfer.outputs import OwnedNames, atomic_directory
 from powerinfer.runtime.engine import Engine
-from powerinfer.sparsity.files import load_json, load_torch_file, numbered_files
+from powerinfer.sparse.folders import load_json, load_torch_file, numbered_files
 
 MIN_CALIBRATION_TOKENS = 1024
 HISTOGRAM_BINS = 4096

@@ -18,7 +18,6 @@ from powerinfer.config import FFNActivation
 from powerinfer.errors import PowerInferError, UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
 from powerinfer.models.layers import projection_builder
-from powerinfer.models.predictor import Predictor, has_predictors, load_predictor, predictor_pays
 from powerinfer.ops import native
 from powerinfer.ops.activation import activate
 from powerinfer.ops.linear import (
@@ -30,9 +29,10 @@ from powerinfer.ops.linear import (
     dequantized,
     float_vector,
 )
-from powerinfer.ops.neuron import NeuronStore, accumulate_rows, gather_matvec, sparse_ffn
 from powerinfer.ops.quant import FLOAT_TYPES, T
 from powerinfer.options import SparsityMode
+from powerinfer.sparse.neurons import NeuronStore, accumulate_rows, gather_matvec, sparse_ffn
+from powerinfer.sparse.predictor import Predictor, has_predictors, load_predictor, predictor_pays
 from powerinfer.sparse.storage import columns_name
 
 MAX_SPARSE_ROWS = 8  # beyond this many tokens at once (prefill) the FFN runs as masked dense GEMMs

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from powerinfer.models.ffn import MAX_SPARSE_ROWS, SparseFFN, union
 from powerinfer.ops.activation import activate
 from powerinfer.ops.linear import CPU, ConcatLinear, DenseLinear, Linear, pack_int4, q8_as_nibbles
-from powerinfer.ops.neuron import (
+from powerinfer.sparse.ffn import MAX_SPARSE_ROWS, SparseFFN, union
+from powerinfer.sparse.neurons import (
     RAW,
     NeuronStore,
     Section,
