@@ -314,12 +314,16 @@ class DecoderBlock:
     DENSE_PARTS: tuple[str, ...] = ()
 
     def __init__(self, ffn):
-        self.ffn = ffn
         self.device = CPU
         self.offloaded = False  # moved by placement (to an accelerator, or to the CPU standing in for one)
         # Called as observer(unit, residual, activations) when set (profiling, predictor training): unit
         # is the FFN unit (`ModelConfig.ffn_unit`), the layer for a block with one FFN.
         self.observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        self.ffn = ffn  # last: a block may build on it what needs its other parts (llama's native step)
+
+    def rebuild_step(self) -> None:
+        """Called after a part's linear is replaced in place: a block whose decode step holds its
+        weights builds it again (llama's native step); others hold none."""
 
     def to(self, device: torch.device) -> DecoderBlock:
         """Move the dense parts (not the FFN) to `device`, in place, as torch modules do."""
@@ -339,9 +343,9 @@ class Block(DecoderBlock):
     DENSE_PARTS = ("attn_norm", "attention", "post_attention_norm", "ffn_norm", "post_ffw_norm")
 
     def __init__(self, attn_norm, attention: Attention, ffn_norm, ffn, post_attention_norm=None, post_ffw_norm=None):
-        super().__init__(ffn)
         self.attn_norm, self.attention, self.ffn_norm = attn_norm, attention, ffn_norm
         self.post_attention_norm, self.post_ffw_norm = post_attention_norm, post_ffw_norm
+        super().__init__(ffn)
 
     def __call__(self, x: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> torch.Tensor:
         x = x.to(self.device)

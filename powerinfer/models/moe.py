@@ -75,6 +75,12 @@ class MoEFFN:
                 y.index_add_(0, rows, out * weights[rows, rank, None])
         return y
 
+    native_projections = None  # the native decode step hands the mixture its input
+
+    def dense(self) -> MoEFFN:
+        """The same router over its experts' dense forms."""
+        return self.with_experts([e.dense() for e in self.experts])
+
     def with_experts(self, experts: list) -> MoEFFN:
         """The same router over other experts (placement's hybrid or dense forms of them)."""
         return MoEFFN(self.router, experts, self.n_used, self.first_unit, self.device)

@@ -138,9 +138,13 @@ def _bias(gguf: GGUFFile, *names: str) -> torch.Tensor | None:
 
 
 class FFN:
-    """What dense and sparse FFNs share: showing their activations to an observer."""
+    """What dense and sparse FFNs share: showing their activations to an observer, and the forms
+    placement swaps between (`dense()`, `sparse()`)."""
 
     n_ff: int
+    # The C++ (up, down) projections the native decode step runs this FFN with, fused into the
+    # block; None: the step hands the FFN its input and adds what it returns.
+    native_projections: tuple | None = None
 
     def observed(self, h: torch.Tensor, residual: torch.Tensor, observer, unit: int) -> torch.Tensor:
         """The output for h, the activations shown to observer(unit, residual, activations) on the way."""
@@ -173,6 +177,13 @@ class DenseFFN(FFN):
     def sparse(self) -> SparseFFN:
         """This FFN over neuron records, computing every neuron (mode "off")."""
         return SparseFFN(self.tensors.neuron_store(), self.activation, "off", tensors=self.tensors)
+
+    def dense(self) -> DenseFFN:
+        return self
+
+    @property
+    def native_projections(self) -> tuple:
+        return self.up.native, self.down.native
 
     @property
     def nbytes(self) -> int:
@@ -230,6 +241,13 @@ class SparseFFN(FFN):
                 y.add_(self._dense(a[:, part], self._weights(s.down, part if idx is None else idx[part])))
             return s.add_down_bias(y)
         return s.add_down_bias(accumulate_rows(s, s.down, a, self._all if idx is None else idx))
+
+    def sparse(self) -> SparseFFN:
+        return self
+
+    def dense(self) -> DenseFFN:
+        """This FFN computed for every neuron, from the file's tensors."""
+        return self.tensors.dense()
 
     def fired(self, a: torch.Tensor | None, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """Which neurons each row computes ([rows, n_ff] bool): the predictor's choice ("auto", from

@@ -62,6 +62,7 @@ class Site:
         """Make `linear` the site's linear."""
         part, attribute = SITE_PARTS[self.kind]
         setattr(getattr(self.block, part), attribute, linear)
+        self.block.rebuild_step()  # a native step held the old linear (and takes none without a native form)
 
     @property
     def in_features(self) -> int:
@@ -102,24 +103,17 @@ class TappedLinear(Linear):
 @contextmanager
 def tapped(sites: Sequence[Site], taps: Mapping[str, Callable[[torch.Tensor], torch.Tensor]]) -> Iterator[None]:
     """Within the block, the sites named in `taps` run their input through their tap, on the torch
-    path (the native decode step reads the linears' weights directly, so it is turned off and put
-    back afterwards)."""
+    path (a tapped linear has no native form, so its block has no native step until the originals
+    are put back)."""
     chosen = [s for s in sites if s.name in taps]
-    blocks = {id(s.block): s.block for s in chosen}
-    steps = {key: block.step for key, block in blocks.items() if hasattr(block, "step")}
     originals = [s.linear for s in chosen]
     try:
-        for block in blocks.values():
-            if hasattr(block, "step"):
-                block.step = None
         for site in chosen:
             site.put(TappedLinear(site.linear, taps[site.name]))
         yield
     finally:
         for site, linear in zip(chosen, originals):
             site.put(linear)
-        for key, step in steps.items():
-            blocks[key].step = step
 
 
 def masked(sites: Sequence[Site], thresholds: Mapping[str, torch.Tensor]) -> AbstractContextManager[None]:
