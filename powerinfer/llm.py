@@ -25,6 +25,7 @@ from powerinfer.options import (
     SPARSITY_MODES,
     CacheType,
     DType,
+    FFNOptions,
     SparsityMode,
     context_size,
 )
@@ -33,7 +34,6 @@ from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.kv_cache import CACHE_TYPES, cache_bytes, check_cache_fits
 from powerinfer.runtime.sampling import SamplingParams
 from powerinfer.runtime.sequence import Completion, GenerationSequence
-from powerinfer.sparse.ffn import FFNOptions
 from powerinfer.sparse.storage import TARGET_KEY, is_sparsified
 from powerinfer.tokenizer import Tokenizer
 

@@ -22,6 +22,7 @@ from gguf import GGUFReader, quants
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.reader import PWRI_MAGIC, GGUFTensor
 from powerinfer.models import load_model, read_config
+from powerinfer.options import FFNOptions
 from powerinfer.placement.costs import dense_parts, model_shape
 from powerinfer.placement.gpu_index import index_path, write_gpu_index
 from powerinfer.placement.solver import Plan
@@ -29,7 +30,6 @@ from powerinfer.runtime.engine import Engine
 from powerinfer.server.connections import ConnectionLimits, server_config
 from powerinfer.server.startup import listen
 from powerinfer.sparse import neurons as N
-from powerinfer.sparse.ffn import FFNOptions
 
 from conftest import quantized_rows
 

@@ -27,8 +27,8 @@ from powerinfer.gguf.writer import write_gguf
 from powerinfer.models import load_model
 from powerinfer.models.layers import _softcapped_attention
 from powerinfer.ops import native
+from powerinfer.options import FFNOptions
 from powerinfer.runtime.engine import Engine
-from powerinfer.sparse.ffn import FFNOptions
 
 from conftest import convert_each
 from helpers import activation_rounding_factor, assert_one_line_error, powerinfer

@@ -7,9 +7,9 @@ import torch
 
 from powerinfer.gguf import open_gguf
 from powerinfer.models import load_model
+from powerinfer.options import FFNOptions
 from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.kv_cache import CacheType
-from powerinfer.sparse.ffn import FFNOptions
 
 from helpers import activation_rounding_factor, decode_logits, greedy, reference_logits
 

@@ -32,6 +32,14 @@ def test_records_hold_the_exact_weights(ggml_type):
 needs_native = pytest.mark.skipif(native.load() is None, reason="native operators could not be built here")
 
 
+@needs_native
+def test_the_native_activation_table_is_ffn_activation():
+    """csrc/common.h numbers the activations that powerinfer.config.FFNActivation names: the
+    bindings export them by those names, so neither side can gain or lose one alone."""
+    assert set(native.load().Activation.__members__) == {a.name for a in FFNActivation}
+    assert len({int(native.activation(a)) for a in FFNActivation}) == len(FFNActivation)
+
+
 def operator_case(ggml_type, blocks, n_ff, tokens, seed, data):
     block = 256 if ggml_type in K_QUANTS else 32
     s, _ = random_store(seed, ggml_type, n_ff, block * blocks, block * max(1, blocks // 2))

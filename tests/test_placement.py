@@ -19,13 +19,14 @@ from powerinfer.gguf import open_gguf
 from powerinfer.gguf.writer import TensorData, write_gguf
 from powerinfer.models import load_model, read_config
 from powerinfer.ops.linear import CPU
+from powerinfer.options import FFNOptions
 from powerinfer.placement.apply import apply_placement
 from powerinfer.placement.costs import ModelShape, Speeds, dense_parts, model_shape
 from powerinfer.placement.gpu_index import ARCHITECTURE, index_path, load_gpu_index, read_gpu_index, write_gpu_index
 from powerinfer.placement.planner import neuron_budget, place_dense, plan_for_model
 from powerinfer.placement.solver import Plan, Problem, layer_groups, plan_from_counts, solve_counts
 from powerinfer.placement.spec import DensePlacement, Placement
-from powerinfer.sparse.ffn import FFNOptions, FFNTensors
+from powerinfer.sparse.ffn import FFNTensors
 from powerinfer.sparse.hybrid import KernelNeurons
 
 # ---------------------------------------------------------------- the solver against brute force

@@ -141,8 +141,8 @@ def k_quant_llama(tmp_path_factory, default_model):
 def k_quant_engine(path, float32: bool = False):
     from powerinfer.gguf import open_gguf
     from powerinfer.models import load_model
+    from powerinfer.options import FFNOptions
     from powerinfer.runtime.engine import Engine
-    from powerinfer.sparse.ffn import FFNOptions
 
     return Engine(load_model(open_gguf(path), N_CTX, FFNOptions(float32=float32)), N_CTX)
 

@@ -14,6 +14,7 @@ from powerinfer.errors import PowerInferError
 from powerinfer.gguf import open_gguf
 from powerinfer.models import load_model
 from powerinfer.ops.linear import DenseLinear
+from powerinfer.options import FFNOptions
 from powerinfer.runtime.engine import Engine
 from powerinfer.sparse.allocate import (
     PPL_SEARCH_STEPS,
@@ -25,7 +26,6 @@ from powerinfer.sparse.allocate import (
     global_sparsities,
 )
 from powerinfer.sparse.calibrate import calibrate, calibration_chunks
-from powerinfer.sparse.ffn import FFNOptions
 from powerinfer.sparse.sites import SITE_KINDS, masked, model_sites, tapped
 
 from conftest import convert_each, make_tiny_llama

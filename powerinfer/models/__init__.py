@@ -14,7 +14,7 @@ from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.base import CausalLM, DecoderLM
 from powerinfer.models.registry import architecture_of, read_config
 from powerinfer.ops.quant import SUPPORTED_TYPES
-from powerinfer.sparse.ffn import FFNOptions
+from powerinfer.options import FFNOptions
 
 __all__ = ["CausalLM", "DecoderLM", "FFNOptions", "load_model", "read_config"]
 

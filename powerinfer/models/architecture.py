@@ -9,7 +9,7 @@ from powerinfer.config import ArchitectureDefaults, ModelConfig
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.base import DecoderLM
 from powerinfer.models.tensors import TensorTable
-from powerinfer.sparse.ffn import FFNOptions
+from powerinfer.options import FFNOptions
 
 
 def _as_stated(gguf: GGUFFile, config: ModelConfig) -> ModelConfig:

@@ -20,8 +20,8 @@ from powerinfer.models.architecture import Architecture
 from powerinfer.models.layers import AttentionOptions, RotaryEmbedding
 from powerinfer.models.llama import LlamaModel
 from powerinfer.models.tensors import rms_decoder_tensors
+from powerinfer.options import FFNOptions
 from powerinfer.runtime.kv_cache import SeqSpan
-from powerinfer.sparse.ffn import FFNOptions
 
 # What llama.cpp assumes of Gemma 3 files that do not say: windowed layers 5 of every 6, and their RoPE base
 LLAMA_CPP_WINDOW_PERIOD = 6

@@ -7,7 +7,6 @@ import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,14 +14,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from powerinfer.config import ModelConfig
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
-from powerinfer.ops.linear import CPU, BiasedLinear, Linear, build_linear, float_vector, mapped_tensor
+from powerinfer.ops.linear import CPU, Linear, float_vector, mapped_tensor
 from powerinfer.ops.quant import dequantize_rows
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
-from powerinfer.sparse.columns import column_linear
-from powerinfer.sparse.storage import site_thresholds, stored_by_columns
-
-if TYPE_CHECKING:
-    from powerinfer.sparse.ffn import FFNOptions
 
 
 class Embedding:
@@ -87,28 +81,6 @@ class LayerNorm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-
-
-def projection_builder(gguf: GGUFFile, options: FFNOptions) -> Callable[..., Linear]:
-    """`linear(*weight_names)`: one linear layer from weight tensors that share their input, plus
-    their biases (`<name>.bias`) when the file has them (a part without one gets zeros). A file from
-    `sparsify` may store the layer by columns: it then skips its input's small channels (none with
-    sparsity "off")."""
-
-    def linear(*names: str) -> Linear:
-        columns = stored_by_columns(gguf, names)
-        if columns is not None:
-            layer = column_linear(columns, site_thresholds(gguf, names[0], options.sparsity != "off"))
-            widths = [t.shape[1] for t in columns]
-        else:
-            layer = build_linear([gguf.tensor(n) for n in names], options.float32, release_pages=gguf.release_pages)
-            widths = [gguf.tensor(n).shape[0] for n in names]
-        biases = [gguf.tensors.get(n.removesuffix(".weight") + ".bias") for n in names]
-        if all(b is None for b in biases):
-            return layer
-        return BiasedLinear(layer, torch.cat([torch.zeros(w) if b is None else float_vector(b) for w, b in zip(widths, biases)]))
-
-    return linear
 
 
 class RotaryEmbedding:

@@ -19,14 +19,14 @@ from powerinfer.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     attention_options,
-    projection_builder,
 )
 from powerinfer.models.moe import layer_ffn
 from powerinfer.models.tensors import rms_decoder_tensors
 from powerinfer.ops import native
 from powerinfer.ops.linear import BiasedLinear, float_vector
+from powerinfer.options import FFNOptions
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
-from powerinfer.sparse.ffn import FFNOptions
+from powerinfer.sparse.storage import projection_builder
 
 
 class LlamaBlock(Block):

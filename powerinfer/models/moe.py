@@ -15,10 +15,10 @@ import torch
 
 from powerinfer.config import ModelConfig
 from powerinfer.gguf.reader import GGUFFile
-from powerinfer.models.layers import projection_builder
 from powerinfer.ops.linear import CPU, Linear
-from powerinfer.sparse.ffn import DenseFFN, FFNOptions, FFNTensors, SparseFFN, build_ffn, input_sparse_ffn
-from powerinfer.sparse.storage import is_sparsified
+from powerinfer.options import FFNOptions
+from powerinfer.sparse.ffn import DenseFFN, FFNTensors, SparseFFN, build_ffn, input_sparse_ffn
+from powerinfer.sparse.storage import is_sparsified, projection_builder
 
 Expert = DenseFFN | SparseFFN
 Run = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]  # (expert, h rows, residual rows) -> output rows

@@ -251,15 +251,19 @@ def accumulate_rows_reference(store: NeuronStore, section: Section, a: torch.Ten
     return a.float() @ store.weights(section, idx)
 
 
-def activate_reference(activation: FFNActivation, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+def neuron_activations(store: NeuronStore, activation: FFNActivation, x: torch.Tensor, idx: torch.Tensor,
+                       matvec=None) -> torch.Tensor:
+    """The activations [m, len(idx)] of neurons `idx` for x [m, d], their gate and up rows through
+    `matvec` (default: the native row-gather, `gather_matvec`)."""
+    matvec = gather_matvec if matvec is None else matvec
+    gate = None if store.gate is None else matvec(store, store.gate, x, idx)
+    up = store.add_up_bias(matvec(store, store.up, x, idx), idx)
     return activate(up if gate is None else torch.cat([gate, up], dim=-1), activation)
 
 
 def _sparse_ffn_steps(store: NeuronStore, activation: FFNActivation, x: torch.Tensor, idx: torch.Tensor,
                       matvec, accumulate, keep: torch.Tensor | None = None) -> torch.Tensor:
-    gate = None if store.gate is None else matvec(store, store.gate, x, idx)
-    up = store.add_up_bias(matvec(store, store.up, x, idx), idx)
-    a = activate_reference(activation, gate, up)
+    a = neuron_activations(store, activation, x, idx, matvec)
     return accumulate(store, store.down, a if keep is None else a * keep, idx)
 
 

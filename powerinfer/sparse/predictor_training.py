@@ -37,6 +37,7 @@ from powerinfer.outputs import OwnedNames, atomic_directory
 from powerinfer.runtime.engine import Engine
 from powerinfer.sparse.folders import load_json, load_torch_file, numbered_files
 from powerinfer.sparse.profiler import calibration_chunks, observe_ffn
+from powerinfer.sparse.select import kept
 
 SPLITS = (0.8, 0.1, 0.1)  # train, calibration (threshold), held-out (report)
 COLLECT_BYTES = 4 << 30  # collected activations per pass over the text; more layers take more passes
@@ -107,7 +108,7 @@ def collect_layers(model: CausalLM, chunks: list[list[int]], units: Sequence[int
     def keep(unit: int, residual: torch.Tensor, a: torch.Tensor) -> None:
         if unit in inputs:
             inputs[unit].append(residual.to(torch.float16))
-            fired[unit].append(a.float().abs() > thresholds[unit])
+            fired[unit].append(kept(a.float(), thresholds[unit]))
 
     observe_ffn(model, Engine(model, max(len(c) for c in chunks)), chunks, keep,
                 f"collecting FFN units {units[0]}-{units[-1]}")

@@ -19,6 +19,7 @@ from powerinfer.errors import UnsupportedModelError
 from powerinfer.models.layers import Block
 from powerinfer.ops.linear import Linear
 from powerinfer.sparse.ffn import DenseFFN
+from powerinfer.sparse.select import selected
 
 # kind -> (the block's part, the part's attribute holding the linear whose input the site is)
 SITE_PARTS: dict[str, tuple[str, str]] = {
@@ -33,12 +34,6 @@ SITE_KINDS = tuple(SITE_PARTS)
 def site_name(layer: int, kind: str) -> str:
     """The stable name of a site, e.g. `blk.3.ffn_down`."""
     return f"blk.{layer}.{kind}"
-
-
-def selected(x: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
-    """x with the channels it skips set to 0: channel i is read when |x_i| > thresholds[i] (so a
-    threshold of 0 reads every non-zero channel, which is the dense product)."""
-    return x * (x.abs() > thresholds)
 
 
 @dataclass(frozen=True, eq=False)
