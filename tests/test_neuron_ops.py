@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from powerinfer.config import FFNActivation
 from powerinfer.ops import native
-from powerinfer.ops.activation import activate
 from powerinfer.sparse import neurons as N
+from powerinfer.sparse.neurons import activate
 
 from helpers import BLOCK_TYPES, random_store
 

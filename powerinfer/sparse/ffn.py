@@ -18,7 +18,6 @@ from powerinfer.config import FFNActivation
 from powerinfer.errors import PowerInferError, UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
 from powerinfer.ops import native
-from powerinfer.ops.activation import activate
 from powerinfer.ops.linear import (
     BiasedLinear,
     DenseLinear,
@@ -30,7 +29,7 @@ from powerinfer.ops.linear import (
 )
 from powerinfer.ops.quant import FLOAT_TYPES, T
 from powerinfer.options import FFNOptions, SparsityMode
-from powerinfer.sparse.neurons import NeuronStore, accumulate_rows, neuron_activations, sparse_ffn
+from powerinfer.sparse.neurons import NeuronStore, accumulate_rows, activate, neuron_activations, sparse_ffn
 from powerinfer.sparse.predictor import has_predictors, load_predictor, predictor_pays
 from powerinfer.sparse.select import AboveThreshold, AllNeurons, Predicted, Selector
 from powerinfer.sparse.storage import columns_name, projection_builder

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from powerinfer.ops.activation import activate
 from powerinfer.ops.linear import CPU, ConcatLinear, DenseLinear, Linear, pack_int4, q8_as_nibbles
 from powerinfer.sparse.ffn import MAX_SPARSE_ROWS, SparseFFN, union
 from powerinfer.sparse.neurons import (
@@ -27,6 +26,7 @@ from powerinfer.sparse.neurons import (
     NeuronStore,
     Section,
     accumulate_rows,
+    activate,
     dequantize_records,
     matvec_records,
     neuron_activations,
