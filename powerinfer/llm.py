@@ -148,7 +148,7 @@ class LLM:
         self.file_size = gguf.file_size
         self.n_params = sum(t.n_elements for t in gguf.tensors.values())
         self.quant_label = file_type_label(gguf)  # llama.cpp's label, e.g. "Q4_K - Medium"
-        predicted = any(getattr(unit.ffn, "mode", None) == "auto" for unit in self.model.ffn_units())
+        predicted = any(unit.ffn.mode == "auto" for unit in self.model.ffn_units())
         self.sparsity = sparsity if sparsity != "auto" else "predictors" if predicted else \
             f"inputs {gguf.get(TARGET_KEY):.0%}" if is_sparsified(gguf) else "off"
         self.load_seconds = time.perf_counter() - started

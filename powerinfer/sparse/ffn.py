@@ -141,6 +141,7 @@ class FFN:
     placement swaps between (`dense()`, `sparse()`)."""
 
     n_ff: int
+    mode: SparsityMode = "off"  # how it chooses neurons: a dense FFN computes them all
     # The C++ (up, down) projections the native decode step runs this FFN with, fused into the
     # block; None: the step hands the FFN its input and adds what it returns.
     native_projections: tuple | None = None
