@@ -136,7 +136,7 @@ def main() -> None:
             path = MODELS / f"llama-7bw-8l.{kind.lower()}.sparse{round(target * 100)}.gguf"
             if not path.exists():
                 sparsify(LLM(dense_path, sparsity="off"), calibration, path, Target(sparsity=target), n_tokens=2048,
-                         method="uniform")
+                         method="uniform", all_sites=True)  # the columns' speed, whether or not they pay
             files[f"{target:.0%}"] = path
         llms = {label: LLM(path) for label, path in files.items()}
         prompt = llms["dense"].tokenize("The tower is 324 metres tall, about the same height as")

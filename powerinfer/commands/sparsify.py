@@ -34,6 +34,9 @@ def build_parser() -> OneLineParser:
                         help="how the target is spread: uniform (every site alike, TEAL's baseline), blockwise (TEAL's "
                              "greedy per block: the least perplexity on SmolLM2), global (one greedy across the model) "
                              "(default: %(default)s)")
+    parser.add_argument("--all-sites", action="store_true",
+                        help="store every site that skips channels by columns, even where this CPU measured its rows "
+                             "faster (a file for another machine; by default such sites stay by rows)")
     parser.add_argument("-o", "--output", required=True, help="the sparsified GGUF")
     add_force_option(parser)
     return parser
@@ -44,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
     text = read_text(args.file)
     llm = LLM(model_path(args), threads=args.threads, sparsity="off")  # calibrated dense
     allocation = sparsify(llm, text, args.output, Target(args.target_sparsity, args.max_ppl_increase), args.force,
-                          args.tokens, args.allocation)
+                          args.tokens, args.allocation, all_sites=args.all_sites)
     print(f"wrote {args.output}: {allocation.sparsity:.1%} of the block weights skipped per token on the calibration "
           f"text ({allocation.criterion} thresholds, {allocation.method} allocation)", file=sys.stderr)
     return 0

@@ -27,6 +27,7 @@ from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
 from powerinfer.ops.linear import Linear, mapped_tensor
 from powerinfer.ops.quant import BLOCK_TYPES, T, dequantize_rows
+from powerinfer.sparse.neurons import hugepage_buffer
 from powerinfer.sparse.select import kept
 
 # Calls with more rows than this read every column (prefill): a union of many rows' channels
@@ -99,9 +100,10 @@ class ColumnLinear(Linear):
         if ops is not None:
             # one record per channel: its column of every matrix (a copy only for fused matrices)
             records = torch.cat([m.rows for m in self.matrices], dim=1) if len(self.matrices) > 1 else self.matrices[0].rows
+            destination, self._region = hugepage_buffer(records.numel())
             self.projection = ops.SparseInputProjection(records.contiguous(), [int(m.ggml_type) for m in self.matrices],
                                                         [m.out_features for m in self.matrices], self.thresholds,
-                                                        SPARSE_MAX_ROWS)
+                                                        SPARSE_MAX_ROWS, destination.view(records.shape))
 
     def to(self, device: torch.device) -> ColumnLinear:
         if torch.device(device).type != "cpu":

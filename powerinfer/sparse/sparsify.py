@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
+from tqdm import tqdm
 
 from powerinfer.convert.encode import encode_tensor
 from powerinfer.convert.model import ModelSource, encode_source, gguf_source
@@ -24,16 +26,14 @@ from powerinfer.gguf.writer import TensorData, write_gguf
 from powerinfer.llm import LLM
 from powerinfer.ops.linear import dequantized
 from powerinfer.ops.quant import T
-from powerinfer.outputs import check_output_file
+from powerinfer.outputs import check_output_file, warn
 from powerinfer.sparse.allocate import Allocation, Allocator, Method
 from powerinfer.sparse.calibrate import DEFAULT_CHUNK, DEFAULT_TOKENS, calibrate, calibration_chunks
+from powerinfer.sparse.payoff import BreakEven, LinearShape
 from powerinfer.sparse.sites import Site
 from powerinfer.sparse.storage import TARGET_KEY, THRESHOLDS_SUFFIX, columns_name, is_sparsified
 
 DEFAULT_MAX_PPL_INCREASE = 1.02  # on the calibration text; the held-out increase measures a little higher
-# A site skipping less than this share of its channels stays stored by rows: the column kernel's
-# sums then cost more than the bytes it saves (benchmarks/sparse_linear.py).
-MIN_PAYING_SPARSITY = 0.15
 
 # The block type of a column layout by the source's type: the same where the outputs split into its
 # blocks, else the nearest 32-value type (Q4_K columns of 576 outputs do not split into 256s).
@@ -65,9 +65,12 @@ def column_type(source: T, out_features: int) -> T:
 
 
 def sparsify(llm: LLM, text: str, output: str | os.PathLike[str], target: Target = Target(), force: bool = False,
-             n_tokens: int | None = DEFAULT_TOKENS, method: Method = "blockwise", progress: bool = True) -> Allocation:
+             n_tokens: int | None = DEFAULT_TOKENS, method: Method = "blockwise", progress: bool = True,
+             all_sites: bool = False) -> Allocation:
     """Write `output`: `llm`'s file (loaded dense) sparsified on the calibration `text`, the target
-    spread across sites by `method` (allocate.py); returns the allocation it holds."""
+    spread across sites by `method` (allocate.py); returns the allocation it holds. A site is stored
+    by columns only where this machine decodes it faster that way (payoff.py), unless `all_sites`
+    (every site that skips channels: a file for another CPU, or to measure quality)."""
     check_output_file(output, force)
     _check_model(llm)
     tokenizer = llm.tokenizer
@@ -76,7 +79,10 @@ def sparsify(llm: LLM, text: str, output: str | os.PathLike[str], target: Target
                                 n_tokens, min(DEFAULT_CHUNK, llm.n_ctx))
     calibration = calibrate(llm.model, chunks, progress=progress)
     allocation = target.allocate(Allocator(calibration, progress=progress), method)
-    paying = [s for s in calibration.sites if allocation.sites[s.name].sparsity >= MIN_PAYING_SPARSITY]
+    paying = _stored_by_columns(calibration.sites, allocation, None if all_sites else BreakEven(), progress)
+    if not paying:
+        warn(f"no site of {llm.path.name} decodes faster by columns on this CPU at these sparsities: {Path(output).name} "
+             "keeps every linear by rows (--all-sites stores them by columns anyway)")
     source = gguf_source(llm.path)
     metadata = {**source.metadata, TARGET_KEY: float(allocation.sparsity)}
     write_gguf(output, source.architecture, metadata, _sparsified_tensors(source, paying, allocation),
@@ -93,6 +99,22 @@ def _check_model(llm: LLM) -> None:
         raise UnsupportedModelError(f"{gguf_path}: mixtures of experts cannot be sparsified yet")
     if is_sparsified(open_gguf(gguf_path)):
         raise PowerInferError(f"{gguf_path}: is sparsified already; sparsify its dense source")
+
+
+def _shape(site: Site) -> LinearShape:
+    tensors = site.linear.sources
+    return LinearShape(site.in_features, tuple((t.ggml_type, t.shape[0]) for t in tensors),
+                       tuple(column_type(t.ggml_type, t.shape[0]) for t in tensors))
+
+
+def _stored_by_columns(sites: list[Site], allocation: Allocation, break_even: BreakEven | None,
+                       progress: bool) -> list[Site]:
+    """The sites that skip channels and, given `break_even`, skip enough to pay on this machine."""
+    skipping = [s for s in sites if allocation.sites[s.name].sparsity > 0]
+    if break_even is None:
+        return skipping
+    return [s for s in tqdm(skipping, desc="measuring where columns pay", unit="site", disable=not progress)
+            if break_even.pays(_shape(s), allocation.sites[s.name].sparsity)]
 
 
 def _site_tensors(sites: list[Site]) -> dict[str, str]:

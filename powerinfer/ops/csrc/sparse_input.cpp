@@ -24,9 +24,9 @@ void axpy_row(const uint8_t* const* recs, const float* c, int n, const ColumnPar
     float* o = out + blk * f.n;
     for (int j = 0; j < n; ++j) {
       if (p.split) {  // w = d q + m, m = -8 d for Q4_0
-        const uint8_t* nibbles = recs[j] + p.q_off + blk * 16;
-        const float d = half_to_float(recs[j] + p.d_off + 2 * blk);
-        const float m = p.m_off >= 0 ? half_to_float(recs[j] + p.m_off + 2 * blk) : -8.0f * d;
+        const uint8_t* nibbles = recs[j] + p.nibbles_at(blk);
+        const float d = half_to_float(recs[j] + p.d_at(blk));
+        const float m = f.has_min ? half_to_float(recs[j] + p.m_at(blk)) : -8.0f * d;
         for (int k = 0; k < QK; ++k) o[k] += c[j] * (d * static_cast<float>(k < 16 ? nibbles[k] & 0x0F : nibbles[k - 16] >> 4) + m);
         continue;
       }
@@ -83,7 +83,7 @@ constexpr int64_t MIN_TASK_OUTPUTS = 512;
 
 SparseInputProjection::SparseInputProjection(const torch::Tensor& raw, std::vector<int64_t> types_,
                                              std::vector<int64_t> part_outputs_, torch::Tensor thresholds_,
-                                             int64_t sparse_max_rows_)
+                                             int64_t sparse_max_rows_, std::optional<torch::Tensor> destination)
     : thresholds(std::move(thresholds_)), types(std::move(types_)), part_outputs(std::move(part_outputs_)),
       out_features(0), sparse_max_rows(sparse_max_rows_) {
   TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2, "column records must be uint8 [in, record bytes]");
@@ -99,13 +99,18 @@ SparseInputProjection::SparseInputProjection(const torch::Tensor& raw, std::vect
                 " outputs are not whole blocks of ", f.n);
     const int64_t n_blocks = part_outputs[p] / f.n;
     const bool split = f.type == GgmlType::Q4_0 || f.type == GgmlType::Q4_1;
-    const int64_t d_off = split ? offset + 16 * n_blocks : -1;
-    parts_.push_back({&f, split, offset, d_off, f.has_min ? d_off + 2 * n_blocks : -1, n_blocks, out_features});
+    parts_.push_back({&f, split, offset, n_blocks, out_features});
     offset += n_blocks * f.bytes;
     out_features += part_outputs[p];
   }
   TORCH_CHECK(offset == raw.size(1), "these parts take ", offset, " bytes per channel, the records hold ", raw.size(1));
-  records = torch::empty_like(raw, torch::MemoryFormat::Contiguous);
+  if (destination) {
+    TORCH_CHECK(destination->dtype() == torch::kUInt8 && destination->sizes() == raw.sizes() && destination->is_contiguous(),
+                "the destination of the records must be contiguous uint8 of the records' shape");
+    records = *destination;
+  } else {
+    records = torch::empty_like(raw, torch::MemoryFormat::Contiguous);
+  }
   const auto source = raw.contiguous();
   at::parallel_for(0, in_features, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -117,12 +122,12 @@ SparseInputProjection::SparseInputProjection(const torch::Tensor& raw, std::vect
           std::memcpy(to + p.q_off, blocks, p.bytes());
           continue;
         }
-        const int64_t header = p.m_off >= 0 ? 4 : 2;  // d (and m) before the nibbles
-        for (int64_t b = 0; b < p.n_blocks; ++b) {
+        const bool min = p.format->has_min;
+        for (int64_t b = 0; b < p.n_blocks; ++b) {  // a block: d, (m,) 16 bytes of nibbles
           const uint8_t* block = blocks + b * p.format->bytes;
-          std::memcpy(to + p.d_off + 2 * b, block, 2);
-          if (p.m_off >= 0) std::memcpy(to + p.m_off + 2 * b, block + 2, 2);
-          std::memcpy(to + p.q_off + 16 * b, block + header, 16);
+          std::memcpy(to + p.d_at(b), block, 2);
+          if (min) std::memcpy(to + p.m_at(b), block + 2, 2);
+          std::memcpy(to + p.nibbles_at(b), block + (min ? 4 : 2), 16);
         }
       }
     }
@@ -173,19 +178,16 @@ torch::Tensor SparseInputProjection::sparse_rows(const torch::Tensor& x) const {
   at::parallel_for(0, tasks, 1, [&](int64_t first_task, int64_t end_task) {
     for (int64_t t = first_task; t < end_task; ++t) {
       const OutputRange range{out_features * t / tasks, out_features * (t + 1) / tasks};
-      // this task's bytes of column i, part by part, into L2 ahead of use (the order of the
-      // columns is the data's, which hardware prefetchers cannot follow)
+      // the first bytes of this task's part of column i, into L2 ahead of use (the order of the
+      // columns is the data's, which hardware prefetchers cannot follow); split kernels fetch the
+      // rest of a column ahead of themselves
       const auto prefetch_column = [&](int32_t i) {
         const uint8_t* record = base + i * stride;
         for (const ColumnPart& p : parts_) {
           const auto [b0, b1] = range.blocks(p);
-          if (!p.split) {
-            prefetch(record + p.q_off + b0 * p.format->bytes, (b1 - b0) * p.format->bytes);
-            continue;
-          }
-          prefetch(record + p.q_off + 16 * b0, 16 * (b1 - b0));
-          prefetch(record + p.d_off + 2 * b0, 2 * (b1 - b0));
-          if (p.m_off >= 0) prefetch(record + p.m_off + 2 * b0, 2 * (b1 - b0));
+          if (b0 >= b1) continue;
+          const int64_t ahead = p.split ? std::min(b1 - b0, SPLIT_PREFETCH_BLOCKS) : b1 - b0;
+          prefetch(record + (p.split ? p.chunk_start(b0) : p.q_off + b0 * p.format->bytes), ahead * p.format->bytes);
         }
       };
       for (int64_t g = 0; g < groups; ++g) {

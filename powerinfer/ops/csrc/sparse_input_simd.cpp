@@ -69,7 +69,7 @@ inline void add_sums(float* o, __m256i lo, __m256i hi, float scale, float offset
 // in int16 (|sum| <= COLUMN_BATCH * 15 * 127) and meet the scale max / 127 once. Both multiply
 // q - 8, 8 sum_j k_j taken away in integers: the rounding errors then meet centred weights (Q4_1's
 // q - 0 would add them up); Q4_1 adds sum_j c_j (m_j + 8 d_j) in float32. The scales of 8 blocks
-// are converted and rounded together. Columns go in pairs: their bytes interleaved, one maddubs
+// (a chunk's) are converted and rounded together. Columns go in pairs: their bytes interleaved, one maddubs
 // multiplies both (an odd group's last column pairs with itself, the partner's k 0); each pair is
 // unpacked once for up to ROW_CHUNK rows, each with its own k (0 where a row skips the channel).
 constexpr int ROW_CHUNK = 4;  // rows sharing one unpacking of the weights (two int16 sums each in registers)
@@ -77,21 +77,22 @@ constexpr int ROW_CHUNK = 4;  // rows sharing one unpacking of the weights (two 
 template <bool MIN, int ROWS>
 void axpy_q4_rows(const uint8_t* const* recs, const float* c, int n, const ColumnPart& p, int64_t b0, int64_t b1,
                   float* out, int64_t ld) {
-  constexpr int64_t GROUP = 8;
   constexpr int PAIRS = COLUMN_BATCH / 2;
   // per row: k of column 2p in the low byte of k_pair[.][p], of 2p + 1 in the high one
-  alignas(32) int32_t k_pair[ROWS][PAIRS][GROUP], k_sum[ROWS][GROUP];
-  alignas(32) float scale[ROWS][GROUP], offset[ROWS][GROUP];
+  alignas(32) int32_t k_pair[ROWS][PAIRS][SPLIT_CHUNK], k_sum[ROWS][SPLIT_CHUNK];
+  alignas(32) float scale[ROWS][SPLIT_CHUNK], offset[ROWS][SPLIT_CHUNK];
   const int pairs = (n + 1) / 2;
-  const uint8_t* q[COLUMN_BATCH];
-  for (int j = 0; j < 2 * pairs; ++j) q[j] = recs[std::min(j, n - 1)] + p.q_off;
   const __m256i low = _mm256_set1_epi8(0x0F);
-  for (int64_t g = b0; g < b1; g += GROUP) {
-    const int64_t count = std::min(GROUP, b1 - g);
+  for (int64_t g = b0; g < b1;) {  // a chunk's blocks at a time (or the range's part of one)
+    const int64_t count = std::min(SPLIT_CHUNK - g % SPLIT_CHUNK, b1 - g);
+    const uint8_t* q[COLUMN_BATCH];
+    for (int j = 0; j < 2 * pairs; ++j) q[j] = recs[std::min(j, n - 1)] + p.nibbles_at(g);
+    if (g + SPLIT_PREFETCH_BLOCKS < b1)  // not past the range: the bytes beyond are another task's or column's
+      for (int j = 0; j < n; ++j) prefetch(recs[j] + p.chunk_start(g + SPLIT_PREFETCH_BLOCKS), SPLIT_CHUNK * p.format->bytes);
     __m256 d[COLUMN_BATCH], m[COLUMN_BATCH];
     for (int j = 0; j < 2 * pairs; ++j) {
-      d[j] = j < n ? halves(recs[j] + p.d_off + 2 * g, count) : _mm256_setzero_ps();
-      if constexpr (MIN) m[j] = j < n ? halves(recs[j] + p.m_off + 2 * g, count) : _mm256_setzero_ps();
+      d[j] = j < n ? halves(recs[j] + p.d_at(g), count) : _mm256_setzero_ps();
+      if constexpr (MIN) m[j] = j < n ? halves(recs[j] + p.m_at(g), count) : _mm256_setzero_ps();
     }
     for (int r = 0; r < ROWS; ++r) {
       const float* cr = c + r * COLUMN_BATCH;
@@ -119,14 +120,13 @@ void axpy_q4_rows(const uint8_t* const* recs, const float* c, int n, const Colum
       _mm256_store_ps(offset[r], minimums);
     }
     for (int64_t i = 0; i < count; ++i) {
-      const int64_t b = g + i;
       __m256i lo[ROWS], hi[ROWS];
       for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
       for (int pair = 0; pair < pairs; ++pair) {
         // byte t of a block: weight t in its low nibble, weight t + 16 in its high one; interleaved,
         // byte 2t is column 2p's and 2t + 1 column 2p + 1's
-        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[2 * pair] + 16 * b));
-        const __m128i a2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[2 * pair + 1] + 16 * b));
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[2 * pair] + 16 * i));
+        const __m128i a2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[2 * pair + 1] + 16 * i));
         const __m256i v = _mm256_set_m128i(_mm_unpackhi_epi8(a, a2), _mm_unpacklo_epi8(a, a2));
         const __m256i v_low = _mm256_and_si256(v, low), v_high = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         for (int r = 0; r < ROWS; ++r) {
@@ -137,10 +137,11 @@ void axpy_q4_rows(const uint8_t* const* recs, const float* c, int n, const Colum
       }
       for (int r = 0; r < ROWS; ++r) {
         const __m256i eight_sum = _mm256_set1_epi16(static_cast<int16_t>(k_sum[r][i]));
-        add_sums(out + r * ld + b * QK, _mm256_sub_epi16(lo[r], eight_sum), _mm256_sub_epi16(hi[r], eight_sum), scale[r][i],
-                 MIN ? offset[r][i] : 0.0f);
+        add_sums(out + r * ld + (g + i) * QK, _mm256_sub_epi16(lo[r], eight_sum), _mm256_sub_epi16(hi[r], eight_sum),
+                 scale[r][i], MIN ? offset[r][i] : 0.0f);
       }
     }
+    g += count;
   }
 }
 
@@ -210,9 +211,9 @@ void axpy_q4_k(const uint8_t* const* recs, const float* c, int n, const ColumnPa
 void dequantize_split(const uint8_t* rec, const ColumnPart& p, float* out) {
   const __m256i low = _mm256_set1_epi32(0x0F);
   for (int64_t b = 0; b < p.n_blocks; ++b) {
-    const float d = half(rec + p.d_off + 2 * b), m = p.m_off >= 0 ? half(rec + p.m_off + 2 * b) : -8.0f * d;
+    const float d = half(rec + p.d_at(b)), m = p.format->has_min ? half(rec + p.m_at(b)) : -8.0f * d;
     const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-    const uint8_t* q = rec + p.q_off + 16 * b;
+    const uint8_t* q = rec + p.nibbles_at(b);
     const __m256i first = widen_u8(q), second = widen_u8(q + 8);  // bytes 0-7, 8-15: weights t and t + 16
     const __m256i parts[4] = {_mm256_and_si256(first, low), _mm256_and_si256(second, low), _mm256_srli_epi32(first, 4),
                               _mm256_srli_epi32(second, 4)};
@@ -225,7 +226,7 @@ void axpy_columns(const uint8_t* const* recs, const float* c, int n, int rows, c
                   int64_t b1, float* out, int64_t ld) {
   const BlockFormat& f = *p.format;
   if (p.split) {
-    if (p.m_off >= 0) return axpy_q4_split<true>(recs, c, n, rows, p, b0, b1, out, ld);
+    if (p.format->has_min) return axpy_q4_split<true>(recs, c, n, rows, p, b0, b1, out, ld);
     return axpy_q4_split<false>(recs, c, n, rows, p, b0, b1, out, ld);
   }
   for (int r = 0; r < rows; ++r) {  // float32: each row on its own

@@ -1,0 +1,109 @@
+"""Whether storing a site by columns pays on this machine: measured, not assumed.
+
+A column layout reads only the selected channels' bytes, but its kernel does more arithmetic per
+byte than the row kernel, and much more per column where columns are short (SmolLM2's 576
+outputs): the share of channels a site must skip before it decodes faster by columns depends on
+the CPU, the threads and the linear's shape. `BreakEven` times both layouts once per distinct shape
+(random blocks: the speed does not depend on the values; copies rotating, so that every call reads
+from memory as decoding does) and finds the least sparsity at which the columns win.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from powerinfer.gguf.reader import GGUFTensor
+from powerinfer.ops.linear import Linear, build_linear
+from powerinfer.ops.quant import T, random_blocks, row_bytes
+from powerinfer.sparse.columns import ColumnLinear, ColumnMatrix
+
+# The sparsities tried, in order: a site pays from the first one at which its columns win.
+SPARSITY_STEPS = tuple(round(0.1 * i, 1) for i in range(1, 10))
+NEVER = 1.0  # the break-even of a shape whose columns never win
+FROM_MEMORY_BYTES = 96 << 20  # copies of a linear rotate until they hold this much (3x a 32 MiB L3)
+MAX_COPIES = 32  # smaller linears are read from cache in decoding too
+MIN_SECONDS = 0.05  # per measurement
+MIN_CALLS = 9
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """A (fused) linear as its file stores it by rows, and as its columns would be stored."""
+
+    in_features: int
+    rows: tuple[tuple[T, int], ...]  # per matrix: its row type, its outputs
+    columns: tuple[T, ...]  # per matrix: the block type of its columns
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(out * row_bytes(t, self.in_features) for t, out in self.rows)
+
+
+def median_seconds(layers: Sequence[Callable[[torch.Tensor], object]], x: torch.Tensor, min_seconds: float = MIN_SECONDS,
+                   clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median time of a call, the copies of a layer taking turns (so that each reads from memory)."""
+    times, started = [], time.perf_counter()
+    while time.perf_counter() - started < min_seconds or len(times) < max(MIN_CALLS, 3 * len(layers)):
+        layer = layers[len(times) % len(layers)]
+        t = clock()
+        layer(x)
+        times.append(clock() - t)
+    return statistics.median(times)
+
+
+def _copies(shape: LinearShape) -> int:
+    return min(MAX_COPIES, max(2, -(-FROM_MEMORY_BYTES // shape.row_bytes)))
+
+
+def _row_layers(shape: LinearShape, rng: np.random.Generator) -> list[Linear]:
+    tensors = lambda: [GGUFTensor(f"w{i}", t, (out, shape.in_features), random_blocks(t, out, shape.in_features, rng))  # noqa: E731
+                       for i, (t, out) in enumerate(shape.rows)]
+    return [build_linear(tensors()) for _ in range(_copies(shape))]
+
+
+def _column_layers(shape: LinearShape, rng: np.random.Generator) -> list[ColumnLinear]:
+    def one() -> ColumnLinear:
+        matrices = [ColumnMatrix(torch.from_numpy(random_blocks(c, shape.in_features, out, rng)), c, out)
+                    for c, (_, out) in zip(shape.columns, shape.rows)]
+        return ColumnLinear(matrices, torch.zeros(shape.in_features))
+
+    return [one() for _ in range(_copies(shape))]
+
+
+def measured_break_even(shape: LinearShape) -> float:
+    """The least of SPARSITY_STEPS at which one row through the columns beats the rows (NEVER if
+    none does), timed on this machine with torch's threads."""
+    rng = np.random.default_rng(0)
+    x = torch.randn(1, shape.in_features, generator=torch.Generator().manual_seed(0))
+    dense = median_seconds(_row_layers(shape, rng), x)
+    columns = _column_layers(shape, rng)
+    for sparsity in SPARSITY_STEPS:
+        level = float(torch.quantile(x.abs(), sparsity))
+        for layer in columns:
+            layer.thresholds.fill_(level)
+        if median_seconds(columns, x) < dense:
+            return sparsity
+    return NEVER
+
+
+@dataclass
+class BreakEven:
+    """Break-even sparsities by shape, each measured once (`measure`: how)."""
+
+    measure: Callable[[LinearShape], float] = measured_break_even
+    known: dict[LinearShape, float] = field(default_factory=dict)
+
+    def __call__(self, shape: LinearShape) -> float:
+        if shape not in self.known:
+            self.known[shape] = self.measure(shape)
+        return self.known[shape]
+
+    def pays(self, shape: LinearShape, sparsity: float) -> bool:
+        """Whether a site of this shape skipping `sparsity` of its channels decodes faster by columns."""
+        return sparsity > 0 and sparsity >= self(shape)

@@ -1,0 +1,40 @@
+"""The measured pay-off of column layouts (powerinfer/sparse/payoff.py): a site is stored by columns
+only from the sparsity at which its shape's columns beat its rows, each shape measured once."""
+
+from __future__ import annotations
+
+import pytest
+
+from powerinfer.ops.quant import T
+from powerinfer.sparse.payoff import NEVER, SPARSITY_STEPS, BreakEven, LinearShape, measured_break_even
+
+QKV = LinearShape(64, ((T.Q4_0, 64), (T.Q4_0, 32), (T.Q4_0, 32)), (T.Q4_0, T.Q4_0, T.Q4_0))
+DOWN = LinearShape(256, ((T.Q4_K, 256),), (T.Q4_K,))
+
+
+def test_a_site_pays_from_its_shapes_break_even_measured_once():
+    measured = []
+
+    def measure(shape: LinearShape) -> float:
+        measured.append(shape)
+        return {QKV: 0.4, DOWN: NEVER}[shape]
+
+    gate = BreakEven(measure)
+    assert not gate.pays(QKV, 0.3)
+    assert gate.pays(QKV, 0.4) and gate.pays(QKV, 0.7)
+    assert not gate.pays(DOWN, 0.9)
+    assert measured == [QKV, DOWN]  # each shape timed once, whatever the number of sites
+
+
+def test_nothing_skipped_never_pays():
+    assert not BreakEven(lambda shape: 0.0).pays(QKV, 0.0)
+
+
+@pytest.mark.parametrize("shape", [QKV, DOWN])
+def test_the_measurement_runs_both_layouts_and_names_a_step(shape):
+    """Which step wins depends on the machine; that it is one of the steps (or never) does not."""
+    assert measured_break_even(shape) in (*SPARSITY_STEPS, NEVER)
+
+
+def test_row_bytes_count_every_fused_matrix():
+    assert QKV.row_bytes == 128 * 64 // 32 * 18
