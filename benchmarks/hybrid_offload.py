@@ -98,7 +98,7 @@ def make_model(path: Path, shape: tuple[int, ...], rank: int, firing_scale: floa
     from gguf import GGMLQuantizationType as T
 
     from powerinfer.gguf.writer import TensorData, write_gguf
-    from powerinfer.sparsity.profiler import ActivationProfile
+    from powerinfer.sparse.profiler import ActivationProfile
 
     n_layers, d, n_ff, n_head, vocab = shape
     rng = np.random.default_rng(seed)
@@ -154,10 +154,10 @@ def run_ours(path: Path, prompt: list[int], n_gen: int, n_ctx: int, budget_gib: 
              accelerator: str) -> tuple[Row, torch.Tensor]:
     from powerinfer.gguf import open_gguf
     from powerinfer.models import FFNOptions, load_model, read_config
-    from powerinfer.models.hybrid_ffn import HybridFFN
     from powerinfer.placement.apply import apply_placement
     from powerinfer.placement.planner import choose_placement
     from powerinfer.runtime.engine import Engine
+    from powerinfer.sparse.hybrid import HybridFFN
 
     started = time.perf_counter()
     gguf = open_gguf(path)  # the synthetic model has no tokenizer: built without `LLM`

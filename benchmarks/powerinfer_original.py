@@ -183,7 +183,7 @@ class Ours:
         per_layer = [statistics.fmean(step[i] for step in self.active) for i in range(len(self.blocks))]
         ffn_bytes = [b.ffn.nbytes if self.dense else b.ffn.store.nbytes for b in self.blocks]
         return {"attention": sum(b.attention.nbytes for b in self.blocks),
-                "predictors (fc1, fc2)": 0 if self.dense else sum(b.ffn.predictor.nbytes for b in self.blocks),
+                "predictors (fc1, fc2)": 0 if self.dense else sum(b.ffn.selector.nbytes for b in self.blocks),
                 "FFN neurons (active share)": sum(share * n for share, n in zip(per_layer, ffn_bytes)),
                 "output": self.llm.model.output.nbytes}
 

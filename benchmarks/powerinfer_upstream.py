@@ -161,7 +161,7 @@ def synthetic_predictors(n_layers: int, rank: int, active: float, seed: int):
     entries are Gaussian with mean mu and deviation sigma, so a neuron's score is Gaussian with mean
     mu * sum(h) and deviation sigma * |h|. sum(h) / |h| is close to sqrt(R / pi), so
     mu / sigma = Phi^-1(active) * sqrt(pi / R) gives P(score >= 0) = active."""
-    from powerinfer.sparsity.predictors import TrainedPredictor
+    from powerinfer.sparse.predictor_training import TrainedPredictor
 
     generator = torch.Generator().manual_seed(seed)
     z = statistics.NormalDist().inv_cdf(active)
@@ -200,7 +200,7 @@ def converter_python(powerinfer: Path) -> Path:
 def make_model(powerinfer: Path, out: Path, n_layers: int = 8, rank: int = 1024, active: float = 0.1,
                seed: int = 0, isa: str | None = None) -> None:
     """Write the test file to `out` (see the module's docstring); it appears only when complete."""
-    from powerinfer.sparsity.predictors import save_predictors
+    from powerinfer.sparse.predictor_training import save_predictors
 
     build(powerinfer, isa)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ from powerinfer.config import FFNActivation
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
 from powerinfer.ops.linear import build_linear
-from powerinfer.ops.neuron import NeuronStore, sparse_ffn
+from powerinfer.sparse.neurons import NeuronStore, sparse_ffn
 
 from common import memory_bandwidth
 

@@ -70,7 +70,7 @@ def main() -> int:
     from powerinfer import LLM
     from powerinfer.hub import resolve_model
     from powerinfer.runtime.engine import Engine
-    from powerinfer.sparsity.profiler import calibrate_thresholds, calibration_chunks
+    from powerinfer.sparse.profiler import calibrate_thresholds, calibration_chunks
     from powerinfer.tools.perplexity import chunks_of
 
     model = str(resolve_model(args.model))

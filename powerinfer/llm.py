@@ -17,7 +17,6 @@ from powerinfer.gguf.file_type import file_type_label
 from powerinfer.gguf.reader import GGUFFile, open_gguf
 from powerinfer.hub import resolve_model
 from powerinfer.models import load_model, read_config
-from powerinfer.models.ffn import FFNOptions
 from powerinfer.options import (
     DEFAULT_DTYPE,
     DEFAULT_N_BATCH,
@@ -26,6 +25,7 @@ from powerinfer.options import (
     SPARSITY_MODES,
     CacheType,
     DType,
+    FFNOptions,
     SparsityMode,
     context_size,
 )
@@ -148,7 +148,7 @@ class LLM:
         self.file_size = gguf.file_size
         self.n_params = sum(t.n_elements for t in gguf.tensors.values())
         self.quant_label = file_type_label(gguf)  # llama.cpp's label, e.g. "Q4_K - Medium"
-        predicted = any(getattr(unit.ffn, "mode", None) == "auto" for unit in self.model.ffn_units())
+        predicted = any(unit.ffn.mode == "auto" for unit in self.model.ffn_units())
         self.sparsity = sparsity if sparsity != "auto" else "predictors" if predicted else \
             f"inputs {gguf.get(TARGET_KEY):.0%}" if is_sparsified(gguf) else "off"
         self.load_seconds = time.perf_counter() - started

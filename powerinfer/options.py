@@ -1,8 +1,9 @@
 """Choices that the command line, the Python API and the model code share, named once here (no
-imports beyond typing, so the command line lists them without loading torch)."""
+imports beyond the standard library, so the command line lists them without loading torch)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 SparsityMode = Literal["auto", "off", "oracle"]  # predicted neurons, all of them, or the exact fired ones
@@ -17,6 +18,16 @@ DEFAULT_DTYPE: DType = "auto"
 DEFAULT_SPARSITY: SparsityMode = "auto"
 DEFAULT_N_BATCH = 512  # prompt tokens per forward pass, as llama.cpp's -b
 DEFAULT_N_CTX = 4096  # the context when none is asked for, unless the model was trained on less
+
+
+@dataclass(frozen=True)
+class FFNOptions:
+    """How a model's FFNs and linears are built. `thresholds`: per FFN unit |activation| thresholds
+    for oracle mode (default: the file's calibrated ones; 0 for ReLU-family models)."""
+
+    sparsity: SparsityMode = DEFAULT_SPARSITY
+    float32: bool = False
+    thresholds: tuple[float, ...] | None = None
 
 
 def context_size(requested: int | None, n_ctx_train: int) -> int:

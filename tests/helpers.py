@@ -22,14 +22,14 @@ from gguf import GGUFReader, quants
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.reader import PWRI_MAGIC, GGUFTensor
 from powerinfer.models import load_model, read_config
-from powerinfer.models.ffn import FFNOptions
-from powerinfer.ops import neuron as N
+from powerinfer.options import FFNOptions
 from powerinfer.placement.costs import dense_parts, model_shape
 from powerinfer.placement.gpu_index import index_path, write_gpu_index
 from powerinfer.placement.solver import Plan
 from powerinfer.runtime.engine import Engine
 from powerinfer.server.connections import ConnectionLimits, server_config
 from powerinfer.server.startup import listen
+from powerinfer.sparse import neurons as N
 
 from conftest import quantized_rows
 

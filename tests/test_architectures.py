@@ -25,9 +25,9 @@ from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.writer import write_gguf
 from powerinfer.models import load_model
-from powerinfer.models.ffn import FFNOptions
 from powerinfer.models.layers import _softcapped_attention
 from powerinfer.ops import native
+from powerinfer.options import FFNOptions
 from powerinfer.runtime.engine import Engine
 
 from conftest import convert_each

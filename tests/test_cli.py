@@ -151,7 +151,7 @@ def test_bad_sampling_value(default_model):
 def test_profile_defines_firing_for_silu_models(tiny_llama, wikitext_valid, tmp_path, capsys):
     """The README's `profile -f valid.txt -o prof/` works on SiLU models (like the default one) too."""
     from powerinfer.cli import main
-    from powerinfer.sparsity.profiler import ActivationProfile
+    from powerinfer.sparse.profiler import ActivationProfile
 
     _, _, ggufs = tiny_llama
     text = tmp_path / "valid.txt"

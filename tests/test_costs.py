@@ -11,9 +11,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from powerinfer.config import FFNActivation
-from powerinfer.models.ffn import FFNTensors
 from powerinfer.ops.linear import build_linear, device_linear_bytes
 from powerinfer.placement.costs import neuron_record_bytes
+from powerinfer.sparse.ffn import FFNTensors
 
 from helpers import BLOCK_TYPES, random_tensor
 

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 from powerinfer import LLM
 from powerinfer.config import FFNActivation
-from powerinfer.models.hybrid_ffn import HybridFFN, KernelNeurons, RecordNeurons
 from powerinfer.ops.linear import CPU, build_linear
+from powerinfer.sparse.hybrid import HybridFFN, KernelNeurons, RecordNeurons
+from powerinfer.sparse.select import AboveThreshold
 
 from helpers import decode_and_prefill_logits, place_everything, random_store, random_tensor
 
@@ -63,14 +64,14 @@ def test_kernel_neurons_on_cuda_equal_the_cpu_ones(ggml_type, gated, masked, ora
     x = torch.randn(rows, 64, generator=generator)
     mask = torch.rand(1, len(ids), generator=generator) < 0.5 if masked else None
     activation = FFNActivation.RELU_GATED if gated else FFNActivation.RELU
-    threshold = 0.25 if oracle else None
-    expected = KernelNeurons(store, ids, CPU).ffn(x, activation, mask, threshold)
+    chooser = AboveThreshold(0.25) if oracle else None
+    expected = KernelNeurons(store, ids, CPU).ffn(x, activation, mask, chooser)
     on_cuda = KernelNeurons(store, ids, CUDA)
-    got = on_cuda.ffn(x.to(CUDA), activation, None if mask is None else mask.to(CUDA), threshold)
+    got = on_cuda.ffn(x.to(CUDA), activation, None if mask is None else mask.to(CUDA), chooser)
     assert on_cuda.nbytes == KernelNeurons(store, ids, CPU).nbytes
     assert_close_relative(got, expected, 2e-2 if ggml_type != T.F32 else 1e-4)
     if ggml_type == T.F32:
-        assert_close_relative(got, RecordNeurons(store, ids, CPU).ffn(x, activation, mask, threshold), 1e-4)
+        assert_close_relative(got, RecordNeurons(store, ids, CPU).ffn(x, activation, mask, chooser), 1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,14 @@ from powerinfer.convert.model import gguf_source, write_model
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf import open_gguf
 from powerinfer.models import load_model
-from powerinfer.models.ffn import FFNOptions, SparseFFN
-from powerinfer.models.hybrid_ffn import HybridFFN
+from powerinfer.options import FFNOptions
 from powerinfer.placement.apply import apply_placement
 from powerinfer.placement.solver import Plan
 from powerinfer.placement.spec import Placement
 from powerinfer.runtime.engine import Engine
-from powerinfer.sparsity.predictors import TrainingOptions, load_predictors, save_predictors, train_predictors
+from powerinfer.sparse.ffn import SparseFFN
+from powerinfer.sparse.hybrid import HybridFFN
+from powerinfer.sparse.predictor_training import TrainingOptions, load_predictors, save_predictors, train_predictors
 from powerinfer.tokenizer import Tokenizer
 
 from conftest import convert_each

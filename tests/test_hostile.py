@@ -591,7 +591,7 @@ def test_predictor_shapes_that_disagree_are_refused_at_load(tmp_path):
     from gguf import GGMLQuantizationType as T
 
     from powerinfer.gguf.writer import TensorData, write_gguf
-    from powerinfer.models.predictor import load_predictor
+    from powerinfer.sparse.predictor import load_predictor
 
     def predictor_file(fc1: tuple[int, int], fc2: tuple[int, int]) -> Path:
         path = tmp_path / f"p{fc1}{fc2}.gguf"

@@ -21,15 +21,17 @@ from powerinfer.config import FFNActivation
 from powerinfer.errors import PowerInferError
 from powerinfer.gguf import open_gguf
 from powerinfer.models import load_model, read_config
-from powerinfer.models.ffn import MAX_SPARSE_ROWS, DenseFFN, FFNOptions, SparseFFN
-from powerinfer.models.hybrid_ffn import HybridFFN
-from powerinfer.models.predictor import Predictor
+from powerinfer.options import FFNOptions
 from powerinfer.placement.apply import apply_placement
 from powerinfer.placement.costs import ModelShape, Speeds, dense_parts, model_shape
 from powerinfer.placement.gpu_index import index_path, read_gpu_index
 from powerinfer.placement.solver import Plan, plan_from_counts
 from powerinfer.placement.spec import DensePlacement, Placement
 from powerinfer.runtime.engine import Engine
+from powerinfer.sparse.ffn import MAX_SPARSE_ROWS, DenseFFN, SparseFFN
+from powerinfer.sparse.hybrid import HybridFFN
+from powerinfer.sparse.predictor import Predictor
+from powerinfer.sparse.select import AboveThreshold, AllNeurons, Predicted
 
 from helpers import decode_and_prefill_logits, place_everything, random_store
 
@@ -49,7 +51,8 @@ def test_hybrid_ffn_equals_sparse_ffn(ggml_type, gated, mode, rows, seed, data):
     activation = FFNActivation.RELU_GATED if gated else FFNActivation.RELU
     generator = torch.Generator().manual_seed(seed)
     predictor = Predictor.from_weights(torch.randn(16, 64, generator=generator), torch.randn(n_ff, 16, generator=generator), 0.0)
-    single = SparseFFN(store, activation, mode, predictor if mode == "auto" else None)
+    selector = {"auto": Predicted(predictor), "off": AllNeurons(), "oracle": AboveThreshold(0.0)}[mode]
+    single = SparseFFN(store, activation, selector)
     hot = torch.tensor(sorted(data.draw(st.sets(st.integers(0, n_ff - 1), min_size=1))), dtype=torch.int64)
     hybrid = HybridFFN(single, hot, CPU)
     h, residual = torch.randn(rows, 64, generator=generator), torch.randn(rows, 64, generator=generator)
@@ -72,7 +75,7 @@ def test_each_row_computes_its_own_predicted_neurons(ggml_type, rows, split, see
     store, _ = random_store(seed, ggml_type, n_ff, 64, 64)
     generator = torch.Generator().manual_seed(seed)
     predictor = Predictor.from_weights(torch.randn(16, 64, generator=generator), torch.randn(n_ff, 16, generator=generator), 0.5)
-    ffn = SparseFFN(store, FFNActivation.RELU_GATED, "auto", predictor)
+    ffn = SparseFFN(store, FFNActivation.RELU_GATED, Predicted(predictor))
     if split:
         ffn = HybridFFN(ffn, torch.arange(0, n_ff, 3), CPU)
     h, residual = torch.randn(rows, 64, generator=generator), torch.randn(rows, 64, generator=generator)
@@ -85,7 +88,7 @@ def test_each_row_computes_its_own_predicted_neurons(ggml_type, rows, split, see
 def test_no_active_neuron_gives_zeros():
     store, _ = random_store(1, T.Q4_0, 64, 64, 32)
     silent = Predictor.from_weights(torch.randn(8, 64), torch.randn(64, 8), threshold=1e9)
-    hybrid = HybridFFN(SparseFFN(store, FFNActivation.RELU_GATED, "auto", silent), torch.tensor([3, 9]), CPU)
+    hybrid = HybridFFN(SparseFFN(store, FFNActivation.RELU_GATED, Predicted(silent)), torch.tensor([3, 9]), CPU)
     assert torch.equal(hybrid(torch.randn(1, 64)), torch.zeros(1, 32)) and hybrid.last_active == 0
 
 
@@ -113,7 +116,7 @@ def engines(relu_models, ids):
         if outtype == "f32":  # off against the dense model: exact arithmetic either way
             reference["off"] = decode_and_prefill_logits(load_model(open_gguf(path), N_CTX, FFNOptions(sparsity="off")), ids)
         else:  # quantized: the dense model rounds differently, so compare with the same records
-            with ffns(model, lambda f, _: SparseFFN(f.store, f.activation, "off")):
+            with ffns(model, lambda f, _: SparseFFN(f.store, f.activation, AllNeurons())):
                 reference["off"] = decode_and_prefill_logits(model, ids)
         out[outtype] = model, reference
     return out
@@ -147,7 +150,8 @@ def test_hybrid_model_equals_single_device_for_random_budgets(engines, ids, outt
     plan = plan_from_counts(counts, 100, shape, int(share * shape.ffn_bytes), Speeds(sync_seconds=0.0), 16)
 
     def split(ffn: SparseFFN, layer: int) -> SparseFFN:
-        single = SparseFFN(ffn.store, ffn.activation, mode, threshold=ffn.threshold)
+        selector = AboveThreshold(ffn.selector.threshold) if mode == "oracle" else AllNeurons()
+        single = SparseFFN(ffn.store, ffn.activation, selector)
         hot = torch.from_numpy(plan.hot[layer]).long()
         return HybridFFN(single, hot, CPU) if len(hot) else single
 

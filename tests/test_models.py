@@ -7,7 +7,7 @@ import torch
 
 from powerinfer.gguf import open_gguf
 from powerinfer.models import load_model
-from powerinfer.models.ffn import FFNOptions
+from powerinfer.options import FFNOptions
 from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.kv_cache import CacheType
 

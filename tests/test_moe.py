@@ -16,17 +16,18 @@ from powerinfer.convert.model import gguf_source
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.writer import TensorData, write_gguf
 from powerinfer.models import load_model, read_config
-from powerinfer.models.ffn import FFNOptions, SparseFFN
-from powerinfer.models.hybrid_ffn import HybridFFN
 from powerinfer.models.moe import MoEFFN
-from powerinfer.models.predictor import LAYER_THRESHOLDS_KEY, predictor_name
+from powerinfer.options import FFNOptions
 from powerinfer.placement.apply import apply_placement
 from powerinfer.placement.costs import Speeds, model_shape
 from powerinfer.placement.solver import Plan, plan_from_counts
 from powerinfer.placement.spec import Placement
 from powerinfer.runtime.engine import Engine
-from powerinfer.sparsity.predictors import TrainingOptions, train_predictors
-from powerinfer.sparsity.profiler import profile_activations
+from powerinfer.sparse.ffn import SparseFFN
+from powerinfer.sparse.hybrid import HybridFFN
+from powerinfer.sparse.predictor import LAYER_THRESHOLDS_KEY, predictor_name
+from powerinfer.sparse.predictor_training import TrainingOptions, train_predictors
+from powerinfer.sparse.profiler import profile_activations
 
 from conftest import convert_each
 from helpers import decode_logits

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from powerinfer.config import FFNActivation
 from powerinfer.ops import native
-from powerinfer.ops import neuron as N
-from powerinfer.ops.activation import activate
+from powerinfer.sparse import neurons as N
+from powerinfer.sparse.neurons import activate
 
 from helpers import BLOCK_TYPES, random_store
 
@@ -30,6 +30,14 @@ def test_records_hold_the_exact_weights(ggml_type):
 
 
 needs_native = pytest.mark.skipif(native.load() is None, reason="native operators could not be built here")
+
+
+@needs_native
+def test_the_native_activation_table_is_ffn_activation():
+    """csrc/common.h numbers the activations that powerinfer.config.FFNActivation names: the
+    bindings export them by those names, so neither side can gain or lose one alone."""
+    assert set(native.load().Activation.__members__) == {a.name for a in FFNActivation}
+    assert len({int(native.activation(a)) for a in FFNActivation}) == len(FFNActivation)
 
 
 def operator_case(ggml_type, blocks, n_ff, tokens, seed, data):

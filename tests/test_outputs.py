@@ -20,7 +20,7 @@ from powerinfer.errors import PowerInferError
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.writer import TensorData, write_gguf
 from powerinfer.outputs import OutputExistsError, atomic_directory, check_output_dir, check_output_file
-from powerinfer.sparsity.predictors import PREDICTOR_FILES, TrainedPredictor, load_predictors, save_predictors
+from powerinfer.sparse.predictor_training import PREDICTOR_FILES, TrainedPredictor, load_predictors, save_predictors
 
 from conftest import make_tiny_llama
 from helpers import assert_one_line_error, powerinfer
@@ -197,7 +197,7 @@ write_gguf(sys.argv[1], "llama", {}, tensors())
 KILLED_FOLDER_WRITER = """
 import os, signal, sys
 from powerinfer.outputs import atomic_directory
-from powerinfer.sparsity.predictors import PREDICTOR_FILES
+from powerinfer.sparse.predictor_training import PREDICTOR_FILES
 
 with atomic_directory(sys.argv[1], PREDICTOR_FILES) as staging:
     (staging / "model_0.pt").write_bytes(b"half")
@@ -260,7 +260,7 @@ def test_atomic_directory_leaves_nothing_when_the_block_fails(tmp_path):
 KILLED_SWAP_WRITER = """
 import os, signal, sys
 import torch
-from powerinfer.sparsity.predictors import TrainedPredictor, save_predictors
+from powerinfer.sparse.predictor_training import TrainedPredictor, save_predictors
 
 calls = []
 def move_then_die(original):

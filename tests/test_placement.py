@@ -18,15 +18,16 @@ from powerinfer.errors import PowerInferError
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.writer import TensorData, write_gguf
 from powerinfer.models import load_model, read_config
-from powerinfer.models.ffn import FFNOptions, FFNTensors
-from powerinfer.models.hybrid_ffn import KernelNeurons
 from powerinfer.ops.linear import CPU
+from powerinfer.options import FFNOptions
 from powerinfer.placement.apply import apply_placement
 from powerinfer.placement.costs import ModelShape, Speeds, dense_parts, model_shape
 from powerinfer.placement.gpu_index import ARCHITECTURE, index_path, load_gpu_index, read_gpu_index, write_gpu_index
 from powerinfer.placement.planner import neuron_budget, place_dense, plan_for_model
 from powerinfer.placement.solver import Plan, Problem, layer_groups, plan_from_counts, solve_counts
 from powerinfer.placement.spec import DensePlacement, Placement
+from powerinfer.sparse.ffn import FFNTensors
+from powerinfer.sparse.hybrid import KernelNeurons
 
 # ---------------------------------------------------------------- the solver against brute force
 
@@ -335,7 +336,7 @@ def test_index_is_reused_rebuilt_on_reset_and_when_the_budget_shrinks(tiny_model
 
 
 def test_statistics_decide_the_placement(tiny_models, tmp_path):
-    from powerinfer.sparsity.profiler import ActivationProfile
+    from powerinfer.sparse.profiler import ActivationProfile
 
     hot = [torch.zeros(160, dtype=torch.int64) for _ in range(2)]
     hot[0][[3, 50, 77]], hot[1][[0, 159]] = 40, 40
@@ -354,7 +355,7 @@ def test_statistics_decide_the_placement(tiny_models, tmp_path):
 
 def test_place_command_prints_the_plan_and_writes_only_when_asked(tiny_models, tmp_path, capsys):
     from powerinfer.cli import main
-    from powerinfer.sparsity.profiler import ActivationProfile
+    from powerinfer.sparse.profiler import ActivationProfile
 
     counts = [torch.arange(160) for _ in range(2)]
     ActivationProfile("relu", 200, [0.0, 0.0], counts).save(tmp_path)

@@ -15,16 +15,16 @@ from powerinfer.convert.hf import hf_source
 from powerinfer.convert.model import gguf_source, write_model
 from powerinfer.gguf import open_gguf
 from powerinfer.models import read_config
-from powerinfer.models.ffn import SparseFFN
-from powerinfer.models.predictor import MIN_GATED_PREDICTED_SPARSITY, PREDICTED_SPARSITY_KEY, SPARSE_THRESHOLD_KEY
-from powerinfer.sparsity.predictors import (
+from powerinfer.sparse.ffn import SparseFFN
+from powerinfer.sparse.predictor import MIN_GATED_PREDICTED_SPARSITY, PREDICTED_SPARSITY_KEY, SPARSE_THRESHOLD_KEY
+from powerinfer.sparse.predictor_training import (
     TrainedPredictor,
     TrainingOptions,
     load_predictors,
     save_predictors,
     train_predictors,
 )
-from powerinfer.sparsity.profiler import calibration_chunks, firing_thresholds
+from powerinfer.sparse.profiler import calibration_chunks, firing_thresholds
 
 from helpers import assert_one_line_error, decode_logits, engine, powerinfer, read_back_powerinfer_gguf
 
@@ -230,8 +230,8 @@ def test_quantized_predictors_stay_compact(tmp_path):
     from gguf import quants
 
     from powerinfer.gguf.writer import TensorData, write_gguf
-    from powerinfer.models.predictor import load_predictor
     from powerinfer.ops.linear import DenseLinear
+    from powerinfer.sparse.predictor import load_predictor
 
     rng = np.random.default_rng(0)
     weights = {"fc1": rng.standard_normal((64, 96)).astype(np.float32), "fc2": rng.standard_normal((128, 64)).astype(np.float32)}

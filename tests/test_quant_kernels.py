@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from powerinfer.ops import native
-from powerinfer.ops import neuron as N
 from powerinfer.ops.linear import QuantLinear, pack_quant, quant_kernel
 from powerinfer.ops.quant import BLOCK_TYPES
+from powerinfer.sparse import neurons as N
 
 from conftest import quantized_rows
 
@@ -141,7 +141,7 @@ def k_quant_llama(tmp_path_factory, default_model):
 def k_quant_engine(path, float32: bool = False):
     from powerinfer.gguf import open_gguf
     from powerinfer.models import load_model
-    from powerinfer.models.ffn import FFNOptions
+    from powerinfer.options import FFNOptions
     from powerinfer.runtime.engine import Engine
 
     return Engine(load_model(open_gguf(path), N_CTX, FFNOptions(float32=float32)), N_CTX)

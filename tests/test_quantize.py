@@ -14,8 +14,8 @@ from powerinfer.convert.encode import parse_outtype
 from powerinfer.convert.hf import convert_hf
 from powerinfer.convert.model import gguf_source, write_model
 from powerinfer.gguf import open_gguf
-from powerinfer.models.predictor import SPARSE_THRESHOLD_KEY
-from powerinfer.sparsity.predictors import PredictorDirectory
+from powerinfer.sparse.predictor import SPARSE_THRESHOLD_KEY
+from powerinfer.sparse.predictor_training import PredictorDirectory
 
 from conftest import make_tiny_llama
 from helpers import assert_one_line_error, powerinfer

@@ -13,7 +13,7 @@ from gguf import GGUFReader
 from powerinfer.convert.model import gguf_source, write_model
 from powerinfer.gguf import open_gguf
 from powerinfer.gguf.file_type import file_type_label
-from powerinfer.sparsity.predictors import PredictorDirectory
+from powerinfer.sparse.predictor_training import PredictorDirectory
 
 from helpers import assert_one_line_error, place_everything, powerinfer
 

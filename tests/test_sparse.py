@@ -7,7 +7,7 @@ import torch
 
 from powerinfer.config import FFNActivation
 from powerinfer.errors import PowerInferError
-from powerinfer.models.ffn import DenseFFN, SparseFFN
+from powerinfer.sparse.ffn import DenseFFN, SparseFFN
 
 from helpers import decode_logits, engine
 
@@ -56,7 +56,7 @@ def test_oracle_on_silu_model_needs_thresholds(tiny_llama):
         pytest.skip("SiLU model only")
     with pytest.raises(PowerInferError, match="needs calibrated thresholds"):
         engine(ggufs["q4_0"], sparsity="oracle")
-    assert engine(ggufs["q4_0"], sparsity="oracle", thresholds=(0.01, 0.01)).model.blocks[0].ffn.threshold == 0.01
+    assert engine(ggufs["q4_0"], sparsity="oracle", thresholds=(0.01, 0.01)).model.blocks[0].ffn.selector.threshold == 0.01
 
 
 def test_prefill_skips_the_same_neurons_as_token_by_token_decode(tiny_llama, ids):
@@ -76,11 +76,12 @@ def test_one_token_native_call_equals_the_python_steps(activation):
     run as one native call, with the Python steps' result bit for bit."""
     from gguf import GGMLQuantizationType as T
 
-    from powerinfer.models.ffn import union
-    from powerinfer.models.predictor import Predictor
     from powerinfer.ops import native
     from powerinfer.ops.linear import build_linear
-    from powerinfer.ops.neuron import NeuronStore, sparse_ffn, sparse_ffn_reference
+    from powerinfer.sparse.ffn import union
+    from powerinfer.sparse.neurons import NeuronStore, sparse_ffn, sparse_ffn_reference
+    from powerinfer.sparse.predictor import Predictor
+    from powerinfer.sparse.select import Predicted
 
     from conftest import quantized_rows
 
@@ -91,7 +92,7 @@ def test_one_token_native_call_equals_the_python_steps(activation):
     store = NeuronStore(gate, quantized_rows(T.Q4_0, n_ff, d, seed=2), quantized_rows(T.Q4_0, n_ff, d, seed=3))
     predictor = Predictor(build_linear([quantized_rows(T.Q4_0, rank, d, seed=4)]),
                           build_linear([quantized_rows(T.Q4_0, n_ff, rank, seed=5)]), threshold=2.0)
-    ffn = SparseFFN(store, activation, "auto", predictor=predictor)
+    ffn = SparseFFN(store, activation, Predicted(predictor))
     assert ffn._predicted is not None  # the native call, not the Python steps it is compared with
     h, x = torch.randn(2, 1, d, generator=torch.Generator().manual_seed(6))
     fused = ffn(h, x)

@@ -13,8 +13,8 @@ import torch
 from powerinfer.errors import PowerInferError
 from powerinfer.gguf import open_gguf
 from powerinfer.models import load_model
-from powerinfer.models.ffn import FFNOptions
 from powerinfer.ops.linear import DenseLinear
+from powerinfer.options import FFNOptions
 from powerinfer.runtime.engine import Engine
 from powerinfer.sparse.allocate import (
     PPL_SEARCH_STEPS,

@@ -36,7 +36,7 @@ def add_calibration_options(parser: argparse.ArgumentParser, output_help: str) -
 
 def check_calibration_flags(args: argparse.Namespace) -> None:
     """What profile and train-predictors can refuse before loading anything."""
-    from powerinfer.sparsity.profiler import MIN_CALIBRATION_TOKENS
+    from powerinfer.sparse.profiler import MIN_CALIBRATION_TOKENS
 
     if args.tokens < MIN_CALIBRATION_TOKENS:
         raise PowerInferError(f"--tokens {args.tokens}: calibration needs at least {MIN_CALIBRATION_TOKENS} tokens")
@@ -53,7 +53,7 @@ def calibration_ids(args: argparse.Namespace, llm: LLM, text: str) -> list[int]:
     """The calibration text's token ids, refused when too short, and the firing target settled:
     SiLU/GELU neurons are never exactly zero, so "fired" needs a threshold: without
     --target-sparsity or --target-error, the one half of each layer's neurons stays under."""
-    from powerinfer.sparsity.profiler import require_calibration_tokens
+    from powerinfer.sparse.profiler import require_calibration_tokens
 
     ids = llm.tokenizer.encode(text, add_bos=False)
     require_calibration_tokens(ids, args.tokens)  # before the note below: a refusal is one line

@@ -12,7 +12,7 @@ from powerinfer.convert.encode import parse_outtype
 from powerinfer.convert.hf import hf_source
 from powerinfer.convert.model import gguf_source, write_model
 from powerinfer.outputs import check_output_file
-from powerinfer.sparsity.predictors import load_predictors
+from powerinfer.sparse.predictor_training import load_predictors
 
 
 def build_parser() -> OneLineParser:

@@ -8,7 +8,7 @@ import sys
 from powerinfer.commands.files import add_force_option
 from powerinfer.commands.parsing import OneLineParser, command_parser
 from powerinfer.outputs import check_output_file
-from powerinfer.sparsity.profiler import ActivationProfile
+from powerinfer.sparse.profiler import ActivationProfile
 from powerinfer.tools.inspect_activations import image_format, plot_profile
 
 

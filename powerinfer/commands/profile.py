@@ -9,7 +9,7 @@ from pathlib import Path
 from powerinfer.commands.calibration import add_calibration_options, check_calibration_flags, load_calibration
 from powerinfer.commands.parsing import OneLineParser, command_parser
 from powerinfer.outputs import check_output_dir
-from powerinfer.sparsity.profiler import ACTIVATION_FILES, profile_activations
+from powerinfer.sparse.profiler import ACTIVATION_FILES, profile_activations
 
 
 def build_parser() -> OneLineParser:

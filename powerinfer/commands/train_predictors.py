@@ -9,14 +9,14 @@ from statistics import mean
 from powerinfer.commands.calibration import add_calibration_options, check_calibration_flags, load_calibration
 from powerinfer.commands.parsing import OneLineParser, command_parser, positive_int, rank_list, unit_interval
 from powerinfer.outputs import check_output_dir
-from powerinfer.sparsity.predictors import (
+from powerinfer.sparse.predictor_training import (
     PREDICTOR_FILES,
     LayerReport,
     TrainingOptions,
     save_predictors,
     train_predictors,
 )
-from powerinfer.sparsity.profiler import calibration_chunks, firing_thresholds
+from powerinfer.sparse.profiler import calibration_chunks, firing_thresholds
 
 
 def build_parser() -> OneLineParser:

@@ -25,7 +25,7 @@ from powerinfer.convert.model import ModelSource, write_model
 from powerinfer.convert.tokenizer import tokenizer_metadata
 from powerinfer.errors import ModelFileError, UnsupportedModelError
 from powerinfer.models.gemma import llama_cpp_query_scale
-from powerinfer.sparsity.files import load_torch_file
+from powerinfer.sparse.folders import load_torch_file
 
 
 @dataclass

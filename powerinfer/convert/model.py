@@ -29,9 +29,9 @@ from powerinfer.errors import PowerInferError
 from powerinfer.gguf.reader import GGUFTensor, open_gguf
 from powerinfer.gguf.writer import TensorData, write_gguf
 from powerinfer.models import read_config
-from powerinfer.models.ffn import ACTIVATION_THRESHOLDS_KEY
-from powerinfer.models.predictor import LAYER_THRESHOLDS_KEY, PREDICTED_SPARSITY_KEY, SPARSE_THRESHOLD_KEY
-from powerinfer.sparsity.predictors import PredictorDirectory
+from powerinfer.sparse.ffn import ACTIVATION_THRESHOLDS_KEY
+from powerinfer.sparse.predictor import LAYER_THRESHOLDS_KEY, PREDICTED_SPARSITY_KEY, SPARSE_THRESHOLD_KEY
+from powerinfer.sparse.predictor_training import PredictorDirectory
 
 T = GGMLQuantizationType
 _FFN_DOWN = re.compile(r"blk\.(\d+)\.ffn_down\.weight")

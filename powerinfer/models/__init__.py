@@ -12,9 +12,9 @@ from powerinfer.config import ModelConfig
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.base import CausalLM, DecoderLM
-from powerinfer.models.ffn import FFNOptions
 from powerinfer.models.registry import architecture_of, read_config
 from powerinfer.ops.quant import SUPPORTED_TYPES
+from powerinfer.options import FFNOptions
 
 __all__ = ["CausalLM", "DecoderLM", "FFNOptions", "load_model", "read_config"]
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from powerinfer.config import ArchitectureDefaults, ModelConfig
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.base import DecoderLM
-from powerinfer.models.ffn import FFNOptions
 from powerinfer.models.tensors import TensorTable
+from powerinfer.options import FFNOptions
 
 
 def _as_stated(gguf: GGUFFile, config: ModelConfig) -> ModelConfig:

@@ -12,10 +12,11 @@ from tqdm import tqdm
 
 from powerinfer.config import ModelConfig
 from powerinfer.gguf.reader import GGUFFile
-from powerinfer.models.ffn import FFNOptions
-from powerinfer.models.layers import DecoderBlock, Embedding, LayerNorm, RMSNorm, projection_builder
+from powerinfer.models.layers import DecoderBlock, Embedding, LayerNorm, RMSNorm
 from powerinfer.ops.linear import CPU, Linear
+from powerinfer.options import FFNOptions
 from powerinfer.runtime.kv_cache import CacheType, KVCache, SeqSpan
+from powerinfer.sparse.storage import projection_builder
 
 Which = Literal["all", "last", "hidden"]
 

@@ -12,18 +12,18 @@ from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.architecture import Architecture
 from powerinfer.models.base import DecoderLM
-from powerinfer.models.ffn import FFNOptions
 from powerinfer.models.layers import (
     Attention,
     DecoderBlock,
     LayerNorm,
     RotaryEmbedding,
     observe_ffn,
-    projection_builder,
 )
 from powerinfer.models.moe import layer_ffn
 from powerinfer.models.tensors import TensorTable, add_attention, add_embedding_and_head, add_ffn, add_norm
+from powerinfer.options import FFNOptions
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
+from powerinfer.sparse.storage import projection_builder
 
 
 class FalconBlock(DecoderBlock):

@@ -17,10 +17,10 @@ import torch
 from powerinfer.config import RMS_NORM_EPS_KEY, ArchitectureDefaults, FFNActivation, ModelConfig, windowed_every
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.architecture import Architecture
-from powerinfer.models.ffn import FFNOptions
 from powerinfer.models.layers import AttentionOptions, RotaryEmbedding
 from powerinfer.models.llama import LlamaModel
 from powerinfer.models.tensors import rms_decoder_tensors
+from powerinfer.options import FFNOptions
 from powerinfer.runtime.kv_cache import SeqSpan
 
 # What llama.cpp assumes of Gemma 3 files that do not say: windowed layers 5 of every 6, and their RoPE base

@@ -7,7 +7,6 @@ import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,14 +14,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from powerinfer.config import ModelConfig
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
-from powerinfer.ops.linear import CPU, BiasedLinear, Linear, build_linear, float_vector, mapped_tensor
+from powerinfer.ops.linear import CPU, Linear, float_vector, mapped_tensor
 from powerinfer.ops.quant import dequantize_rows
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
-from powerinfer.sparse.columns import column_linear
-from powerinfer.sparse.storage import site_thresholds, stored_by_columns
-
-if TYPE_CHECKING:
-    from powerinfer.models.ffn import FFNOptions
 
 
 class Embedding:
@@ -87,28 +81,6 @@ class LayerNorm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-
-
-def projection_builder(gguf: GGUFFile, options: FFNOptions) -> Callable[..., Linear]:
-    """`linear(*weight_names)`: one linear layer from weight tensors that share their input, plus
-    their biases (`<name>.bias`) when the file has them (a part without one gets zeros). A file from
-    `sparsify` may store the layer by columns: it then skips its input's small channels (none with
-    sparsity "off")."""
-
-    def linear(*names: str) -> Linear:
-        columns = stored_by_columns(gguf, names)
-        if columns is not None:
-            layer = column_linear(columns, site_thresholds(gguf, names[0], options.sparsity != "off"))
-            widths = [t.shape[1] for t in columns]
-        else:
-            layer = build_linear([gguf.tensor(n) for n in names], options.float32, release_pages=gguf.release_pages)
-            widths = [gguf.tensor(n).shape[0] for n in names]
-        biases = [gguf.tensors.get(n.removesuffix(".weight") + ".bias") for n in names]
-        if all(b is None for b in biases):
-            return layer
-        return BiasedLinear(layer, torch.cat([torch.zeros(w) if b is None else float_vector(b) for w, b in zip(widths, biases)]))
-
-    return linear
 
 
 class RotaryEmbedding:
@@ -314,12 +286,16 @@ class DecoderBlock:
     DENSE_PARTS: tuple[str, ...] = ()
 
     def __init__(self, ffn):
-        self.ffn = ffn
         self.device = CPU
         self.offloaded = False  # moved by placement (to an accelerator, or to the CPU standing in for one)
         # Called as observer(unit, residual, activations) when set (profiling, predictor training): unit
         # is the FFN unit (`ModelConfig.ffn_unit`), the layer for a block with one FFN.
         self.observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        self.ffn = ffn  # last: a block may build on it what needs its other parts (llama's native step)
+
+    def rebuild_step(self) -> None:
+        """Called after a part's linear is replaced in place: a block whose decode step holds its
+        weights builds it again (llama's native step); others hold none."""
 
     def to(self, device: torch.device) -> DecoderBlock:
         """Move the dense parts (not the FFN) to `device`, in place, as torch modules do."""
@@ -339,9 +315,9 @@ class Block(DecoderBlock):
     DENSE_PARTS = ("attn_norm", "attention", "post_attention_norm", "ffn_norm", "post_ffw_norm")
 
     def __init__(self, attn_norm, attention: Attention, ffn_norm, ffn, post_attention_norm=None, post_ffw_norm=None):
-        super().__init__(ffn)
         self.attn_norm, self.attention, self.ffn_norm = attn_norm, attention, ffn_norm
         self.post_attention_norm, self.post_ffw_norm = post_attention_norm, post_ffw_norm
+        super().__init__(ffn)
 
     def __call__(self, x: torch.Tensor, spans: Sequence[SeqSpan], cache: KVCache) -> torch.Tensor:
         x = x.to(self.device)

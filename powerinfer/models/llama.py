@@ -12,7 +12,6 @@ from powerinfer.config import RMS_NORM_EPS_KEY, ArchitectureDefaults, FFNActivat
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.architecture import Architecture
 from powerinfer.models.base import DecoderLM
-from powerinfer.models.ffn import DenseFFN, FFNOptions
 from powerinfer.models.layers import (
     Attention,
     AttentionOptions,
@@ -20,13 +19,14 @@ from powerinfer.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     attention_options,
-    projection_builder,
 )
 from powerinfer.models.moe import layer_ffn
 from powerinfer.models.tensors import rms_decoder_tensors
 from powerinfer.ops import native
 from powerinfer.ops.linear import BiasedLinear, float_vector
+from powerinfer.options import FFNOptions
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
+from powerinfer.sparse.storage import projection_builder
 
 
 class LlamaBlock(Block):
@@ -36,36 +36,25 @@ class LlamaBlock(Block):
     every option of `Attention` (NeoX or partial RoPE, Q/K norms, QKV biases, windows, query
     scale, soft-capped scores) and the post norms."""
 
-    def __init__(self, attn_norm: RMSNorm, attention: Attention, ffn_norm: RMSNorm, ffn,
-                 post_attention_norm: RMSNorm | None = None, post_ffw_norm: RMSNorm | None = None):
-        self._step_stale = True
-        super().__init__(attn_norm, attention, ffn_norm, ffn, post_attention_norm, post_ffw_norm)
-
-    # The native step holds the block's weights: it is rebuilt when placement moves the block or
-    # replaces its FFN.
+    # The native step holds the block's weights (its FFN's too, where it fuses it): it is built
+    # afresh whenever the block moves or a part is replaced. Tests set `step` to None to compare the
+    # torch path.
     @property
     def ffn(self):
         return self._ffn
 
     @ffn.setter
     def ffn(self, ffn) -> None:
-        self._ffn, self._step_stale = ffn, True
+        self._ffn = ffn
+        self.rebuild_step()
+
+    def rebuild_step(self) -> None:
+        self.step = None if self.offloaded else self._native_step()
 
     def to(self, device: torch.device) -> LlamaBlock:
         super().to(device)
-        self._step_stale = True
+        self.rebuild_step()
         return self
-
-    @property
-    def step(self):
-        """The native step (None: the torch path), built on first use after a change."""
-        if self._step_stale:
-            self._step, self._step_stale = None if self.offloaded else self._native_step(), False
-        return self._step
-
-    @step.setter
-    def step(self, step) -> None:  # None forces the torch path (tests compare the two)
-        self._step, self._step_stale = step, False
 
     def decode(self, x: torch.Tensor, span: SeqSpan, cache: KVCache) -> torch.Tensor:
         """One token of one sequence: the block's output for x [1, d] (on the native step, x itself,
@@ -95,7 +84,7 @@ class LlamaBlock(Block):
         return x
 
     def _native_ffn(self, x: torch.Tensor) -> None:
-        if isinstance(self.ffn, DenseFFN):
+        if self.ffn.native_projections is not None:  # the step was built with them
             self.step.dense_ffn(x)
         else:
             self.step.add_ffn_output(x, self.ffn(self.step.ffn_input(x), x))
@@ -105,14 +94,13 @@ class LlamaBlock(Block):
         ops = native.load()
         a = self.attention
         qkv, bias = (a.qkv.linear, a.qkv.bias) if isinstance(a.qkv, BiasedLinear) else (a.qkv, None)
-        dense = isinstance(self.ffn, DenseFFN)
-        projections = [qkv, a.output] + ([self.ffn.up, self.ffn.down] if dense else [])
-        if ops is None or any(p.native is None for p in projections):
+        up, down = self.ffn.native_projections or (None, None)
+        fused = self.ffn.native_projections is not None
+        if ops is None or qkv.native is None or a.output.native is None or (fused and (up is None or down is None)):
             return None
         norm = lambda n: None if n is None else ops.RMSNorm(n.scaled_weight, n.eps_term)  # noqa: E731
         return ops.BlockStep(
-            norm(self.attn_norm), qkv.native, a.output.native, _attention_spec(ops, a), norm(self.ffn_norm),
-            self.ffn.up.native if dense else None, self.ffn.down.native if dense else None,
+            norm(self.attn_norm), qkv.native, a.output.native, _attention_spec(ops, a), norm(self.ffn_norm), up, down,
             native.activation(self.ffn.activation),
             ops.BlockExtras(qkv_bias=bias, qk_norm=norm(a.options.qk_norm),
                             post_attention_norm=norm(self.post_attention_norm), post_ffw_norm=norm(self.post_ffw_norm)),

@@ -15,10 +15,10 @@ import torch
 
 from powerinfer.config import ModelConfig
 from powerinfer.gguf.reader import GGUFFile
-from powerinfer.models.ffn import DenseFFN, FFNOptions, FFNTensors, SparseFFN, build_ffn, input_sparse_ffn
-from powerinfer.models.layers import projection_builder
 from powerinfer.ops.linear import CPU, Linear
-from powerinfer.sparse.storage import is_sparsified
+from powerinfer.options import FFNOptions
+from powerinfer.sparse.ffn import DenseFFN, FFNTensors, SparseFFN, build_ffn, input_sparse_ffn
+from powerinfer.sparse.storage import is_sparsified, projection_builder
 
 Expert = DenseFFN | SparseFFN
 Run = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]  # (expert, h rows, residual rows) -> output rows
@@ -74,6 +74,12 @@ class MoEFFN:
                 out = run(e, h[rows], residual[rows]).float()
                 y.index_add_(0, rows, out * weights[rows, rank, None])
         return y
+
+    native_projections = None  # the native decode step hands the mixture its input
+
+    def dense(self) -> MoEFFN:
+        """The same router over its experts' dense forms."""
+        return self.with_experts([e.dense() for e in self.experts])
 
     def with_experts(self, experts: list) -> MoEFFN:
         """The same router over other experts (placement's hybrid or dense forms of them)."""

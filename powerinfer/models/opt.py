@@ -13,11 +13,12 @@ from powerinfer.errors import PowerInferError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.models.architecture import Architecture
 from powerinfer.models.base import DecoderLM
-from powerinfer.models.ffn import FFNOptions
-from powerinfer.models.layers import Attention, Block, Embedding, LayerNorm, projection_builder
+from powerinfer.models.layers import Attention, Block, Embedding, LayerNorm
 from powerinfer.models.moe import layer_ffn
 from powerinfer.models.tensors import TensorTable, add_attention, add_embedding_and_head, add_ffn, add_norm
+from powerinfer.options import FFNOptions
 from powerinfer.runtime.kv_cache import SeqSpan
+from powerinfer.sparse.storage import projection_builder
 
 POSITION_OFFSET = 2  # OPT's learned position table starts with two unused rows
 

@@ -11,10 +11,8 @@ from __future__ import annotations
 import torch
 
 from powerinfer.models.base import DecoderLM
-from powerinfer.models.ffn import DenseFFN, SparseFFN
-from powerinfer.models.hybrid_ffn import HybridFFN
-from powerinfer.models.moe import MoEFFN
 from powerinfer.placement.spec import Placement
+from powerinfer.sparse.hybrid import HybridFFN
 
 
 def apply_placement(model: DecoderLM, placement: Placement) -> None:
@@ -26,21 +24,11 @@ def apply_placement(model: DecoderLM, placement: Placement) -> None:
         if placement.offloads(i):
             block.to(device)
         if i in placement.whole:
-            block.ffn = _dense(block.ffn).to(device)
+            block.ffn = block.ffn.dense().to(device)
     for unit in model.ffn_units():
         offloaded = placement.offloads(unit.layer) and unit.expert is None
         if unit.layer not in placement.whole and (placement.has_hot(unit.index) or offloaded):
             hot = torch.from_numpy(placement.plan.hot[unit.index]).long()
-            unit.replace(HybridFFN(_sparse(unit.ffn), hot, device, offloaded=offloaded))
+            unit.replace(HybridFFN(unit.ffn.sparse(), hot, device, offloaded=offloaded))
     if placement.dense.output:
         model.output_to(device)
-
-
-def _sparse(ffn: DenseFFN | SparseFFN) -> SparseFFN:
-    return ffn if isinstance(ffn, SparseFFN) else ffn.sparse()
-
-
-def _dense(ffn: DenseFFN | SparseFFN | MoEFFN) -> DenseFFN | MoEFFN:
-    if isinstance(ffn, MoEFFN):
-        return ffn.with_experts([_dense(e) for e in ffn.experts])
-    return ffn if isinstance(ffn, DenseFFN) else ffn.tensors.dense()

@@ -12,12 +12,12 @@ import torch
 
 from powerinfer.config import ModelConfig
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
-from powerinfer.models.ffn import FFNTensors
 from powerinfer.models.moe import ffn_unit_tensors
 from powerinfer.ops.linear import device_linear_bytes
-from powerinfer.ops.neuron import RECORD_ALIGN, record_row_bytes
 from powerinfer.ops.quant import FLOAT_TYPES
 from powerinfer.runtime.kv_cache import ACCELERATOR_CACHE_DTYPE
+from powerinfer.sparse.ffn import FFNTensors
+from powerinfer.sparse.neurons import RECORD_ALIGN, record_row_bytes
 
 GiB = 1 << 30
 KV_BYTES_PER_VALUE = ACCELERATOR_CACHE_DTYPE.itemsize

@@ -45,7 +45,7 @@ class Statistics:
 
 def load_statistics(model_path: Path, shape: ModelShape, activations: str | os.PathLike[str] | None,
                     note: Warn) -> Statistics:
-    from powerinfer.sparsity.profiler import ActivationProfile
+    from powerinfer.sparse.profiler import ActivationProfile
 
     folder = Path(activations) if activations is not None else model_path.parent / "activation"
     if activations is not None or folder.is_dir():

@@ -20,8 +20,8 @@ from tqdm import tqdm
 from powerinfer.errors import PowerInferError
 from powerinfer.models.base import CausalLM
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
+from powerinfer.sparse.profiler import require_calibration_tokens
 from powerinfer.sparse.sites import Site, model_sites, tapped
-from powerinfer.sparsity.profiler import require_calibration_tokens
 
 Criterion = Literal["teal", "wina"]
 CRITERIA: tuple[Criterion, ...] = ("teal", "wina")

@@ -26,8 +26,9 @@ from powerinfer.convert.kquants import K_QUANT_TYPES, quantize_k
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
 from powerinfer.ops.linear import Linear, mapped_tensor
-from powerinfer.ops.neuron import hugepage_buffer
 from powerinfer.ops.quant import BLOCK_TYPES, T, dequantize_rows
+from powerinfer.sparse.neurons import hugepage_buffer
+from powerinfer.sparse.select import kept
 
 # Calls with more rows than this read every column (prefill): a union of many rows' channels
 # is most of them, and a matrix product of dequantized tiles is then faster than column sums
@@ -76,7 +77,7 @@ def sparse_reference(matrices: Sequence[ColumnMatrix], thresholds: torch.Tensor,
     """What the native projection computes, in plain torch: the channels above threshold of each row
     times the dequantized columns, float32."""
     x = x.float()
-    x = torch.where(x.abs() > thresholds, x, torch.zeros_like(x))
+    x = torch.where(kept(x, thresholds), x, torch.zeros_like(x))
     return x @ torch.cat([m.dequantized() for m in matrices], dim=1)
 
 

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from powerinfer.errors import UnsupportedModelError
-from powerinfer.models.ffn import DenseFFN
 from powerinfer.models.layers import Block
 from powerinfer.ops.linear import Linear
+from powerinfer.sparse.ffn import DenseFFN
+from powerinfer.sparse.select import selected
 
 # kind -> (the block's part, the part's attribute holding the linear whose input the site is)
 SITE_PARTS: dict[str, tuple[str, str]] = {
@@ -33,12 +34,6 @@ SITE_KINDS = tuple(SITE_PARTS)
 def site_name(layer: int, kind: str) -> str:
     """The stable name of a site, e.g. `blk.3.ffn_down`."""
     return f"blk.{layer}.{kind}"
-
-
-def selected(x: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
-    """x with the channels it skips set to 0: channel i is read when |x_i| > thresholds[i] (so a
-    threshold of 0 reads every non-zero channel, which is the dense product)."""
-    return x * (x.abs() > thresholds)
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,6 +57,7 @@ class Site:
         """Make `linear` the site's linear."""
         part, attribute = SITE_PARTS[self.kind]
         setattr(getattr(self.block, part), attribute, linear)
+        self.block.rebuild_step()  # a native step held the old linear (and takes none without a native form)
 
     @property
     def in_features(self) -> int:
@@ -102,24 +98,17 @@ class TappedLinear(Linear):
 @contextmanager
 def tapped(sites: Sequence[Site], taps: Mapping[str, Callable[[torch.Tensor], torch.Tensor]]) -> Iterator[None]:
     """Within the block, the sites named in `taps` run their input through their tap, on the torch
-    path (the native decode step reads the linears' weights directly, so it is turned off and put
-    back afterwards)."""
+    path (a tapped linear has no native form, so its block has no native step until the originals
+    are put back)."""
     chosen = [s for s in sites if s.name in taps]
-    blocks = {id(s.block): s.block for s in chosen}
-    steps = {key: block.step for key, block in blocks.items() if hasattr(block, "step")}
     originals = [s.linear for s in chosen]
     try:
-        for block in blocks.values():
-            if hasattr(block, "step"):
-                block.step = None
         for site in chosen:
             site.put(TappedLinear(site.linear, taps[site.name]))
         yield
     finally:
         for site, linear in zip(chosen, originals):
             site.put(linear)
-        for key, step in steps.items():
-            blocks[key].step = step
 
 
 def masked(sites: Sequence[Site], thresholds: Mapping[str, torch.Tensor]) -> AbstractContextManager[None]:

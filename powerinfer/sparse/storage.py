@@ -13,12 +13,14 @@ skipping would not pay stays stored by rows and runs dense.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
-from powerinfer.ops.linear import float_vector
+from powerinfer.ops.linear import BiasedLinear, Linear, build_linear, float_vector
+from powerinfer.options import FFNOptions
+from powerinfer.sparse.columns import column_linear
 
 COLUMNS_SUFFIX = "_t"
 THRESHOLDS_SUFFIX = ".thresholds"
@@ -75,3 +77,25 @@ def site_thresholds(gguf: GGUFFile, weight_name: str, sparsity: bool) -> torch.T
     product) where `sparsity` is off."""
     thresholds = float_vector(gguf.tensor(thresholds_name(weight_name)))
     return thresholds if sparsity else torch.zeros_like(thresholds)
+
+
+def projection_builder(gguf: GGUFFile, options: FFNOptions) -> Callable[..., Linear]:
+    """`linear(*weight_names)`: one linear layer from weight tensors that share their input, plus
+    their biases (`<name>.bias`) when the file has them (a part without one gets zeros). A file from
+    `sparsify` may store the layer by columns: it then skips its input's small channels (none with
+    sparsity "off")."""
+
+    def linear(*names: str) -> Linear:
+        columns = stored_by_columns(gguf, names)
+        if columns is not None:
+            layer = column_linear(columns, site_thresholds(gguf, names[0], options.sparsity != "off"))
+            widths = [t.shape[1] for t in columns]
+        else:
+            layer = build_linear([gguf.tensor(n) for n in names], options.float32, release_pages=gguf.release_pages)
+            widths = [gguf.tensor(n).shape[0] for n in names]
+        biases = [gguf.tensors.get(n.removesuffix(".weight") + ".bias") for n in names]
+        if all(b is None for b in biases):
+            return layer
+        return BiasedLinear(layer, torch.cat([torch.zeros(w) if b is None else float_vector(b) for w, b in zip(widths, biases)]))
+
+    return linear

@@ -9,7 +9,7 @@ import torch
 
 from powerinfer.errors import PowerInferError
 from powerinfer.outputs import atomic_file
-from powerinfer.sparsity.profiler import ActivationProfile
+from powerinfer.sparse.profiler import ActivationProfile
 
 
 def coverage_share(counts: torch.Tensor, share: float = 0.8) -> float:

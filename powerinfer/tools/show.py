@@ -13,9 +13,9 @@ from powerinfer.errors import PowerInferError
 from powerinfer.gguf.file_type import file_type_label
 from powerinfer.gguf.reader import GGUFFile, open_gguf
 from powerinfer.models import read_config
-from powerinfer.models.ffn import ACTIVATION_THRESHOLDS_KEY
-from powerinfer.models.predictor import LAYER_THRESHOLDS_KEY, SPARSE_THRESHOLD_KEY
 from powerinfer.placement.gpu_index import BLOCK_COUNT_KEY, CAPACITY_KEY, POWERINFER_I32, index_path
+from powerinfer.sparse.ffn import ACTIVATION_THRESHOLDS_KEY
+from powerinfer.sparse.predictor import LAYER_THRESHOLDS_KEY, SPARSE_THRESHOLD_KEY
 
 PREDICTOR_PARTS = (".fc1.", ".fc2.")
 

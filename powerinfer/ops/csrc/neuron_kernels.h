@@ -13,7 +13,7 @@
 //
 // Dot products with quantized rows round x to int8 per block of 32 (as llama.cpp does) and multiply
 // integers exactly; offsets and minimums multiply exact float32 sums of x; accumulation is float32.
-// Plain-torch references: powerinfer/ops/neuron.py.
+// Plain-torch references: powerinfer/sparse/neurons.py.
 #pragma once
 
 #include "ggml_blocks.h"

@@ -26,7 +26,8 @@ from powerinfer.errors import PowerInferError
 from powerinfer.models.base import CausalLM
 from powerinfer.outputs import OwnedNames, atomic_directory
 from powerinfer.runtime.engine import Engine
-from powerinfer.sparsity.files import load_json, load_torch_file, numbered_files
+from powerinfer.sparse.folders import load_json, load_torch_file, numbered_files
+from powerinfer.sparse.select import kept, selected
 
 MIN_CALIBRATION_TOKENS = 1024
 HISTOGRAM_BINS = 4096
@@ -156,7 +157,7 @@ def profile_activations(model: CausalLM, ids: Sequence[int], n_tokens: int | Non
     counts = [torch.zeros(unit.ffn.n_ff, dtype=torch.int64) for unit in model.ffn_units()]
 
     def count(unit: int, residual: torch.Tensor, a: torch.Tensor) -> None:
-        counts[unit] += (a.float().abs() > thresholds[unit]).sum(0)
+        counts[unit] += kept(a.float(), thresholds[unit]).sum(0)
 
     observe_ffn(model, Engine(model, chunk), chunks, count, "profiling")
     return ActivationProfile(model.config.activation.value, sum(len(c) for c in chunks), thresholds, counts,
@@ -176,7 +177,7 @@ def _sparsity_for_error(model: CausalLM, histograms, samples, target_error: floa
             for (ffn, a), y, t in zip(units, exact, thresholds):
                 if y is None:  # an expert no sampled token was routed to
                     continue
-                approx = ffn.project(a * (a.abs() > t))
+                approx = ffn.project(selected(a, t))
                 errors.append(float(((approx - y).norm(dim=-1) / y.norm(dim=-1).clamp_min(1e-12)).mean()))
             if max(errors) > target_error:
                 break

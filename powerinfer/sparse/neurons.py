@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from powerinfer.config import FFNActivation
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
-from powerinfer.ops.activation import activate
 from powerinfer.ops.linear import mapped_tensor
 from powerinfer.ops.quant import BLOCK_TYPES, FLOAT_TYPES, QK, T, dequantize_rows
 
@@ -224,6 +224,22 @@ def offset_parts(rows: torch.Tensor, section: Section) -> torch.Tensor:
 
 # ---------------------------------------------------------------- operators and their references
 
+def activate(up_out: torch.Tensor, activation: FFNActivation) -> torch.Tensor:
+    """Neuron activations from the up-projection output ([gate, up] halves when gated): every
+    FFNActivation, as the C++ kernels compute them (csrc/common.h numbers the same ones)."""
+    if not activation.is_gated:
+        return F.relu(up_out) if activation == FFNActivation.RELU else F.gelu(up_out, approximate="tanh")
+    half = up_out.shape[-1] // 2
+    gate, up = up_out[:, :half], up_out[:, half:]
+    if activation == FFNActivation.SILU_GATED:
+        return F.silu(gate).mul_(up)
+    if activation == FFNActivation.RELU_GATED:
+        return F.relu(gate).mul_(up)
+    if activation == FFNActivation.DRELU:
+        return F.relu(gate).mul_(F.relu(up))
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] -> (int8 values as float [M, K/32, 32], scales [M, K/32], exact sums of each 16
     inputs [M, K/16]), the per-block int8 rounding the native dot products apply."""
@@ -257,15 +273,19 @@ def accumulate_rows_reference(store: NeuronStore, section: Section, a: torch.Ten
     return a.float() @ store.weights(section, idx)
 
 
-def activate_reference(activation: FFNActivation, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+def neuron_activations(store: NeuronStore, activation: FFNActivation, x: torch.Tensor, idx: torch.Tensor,
+                       matvec=None) -> torch.Tensor:
+    """The activations [m, len(idx)] of neurons `idx` for x [m, d], their gate and up rows through
+    `matvec` (default: the native row-gather, `gather_matvec`)."""
+    matvec = gather_matvec if matvec is None else matvec
+    gate = None if store.gate is None else matvec(store, store.gate, x, idx)
+    up = store.add_up_bias(matvec(store, store.up, x, idx), idx)
     return activate(up if gate is None else torch.cat([gate, up], dim=-1), activation)
 
 
 def _sparse_ffn_steps(store: NeuronStore, activation: FFNActivation, x: torch.Tensor, idx: torch.Tensor,
                       matvec, accumulate, keep: torch.Tensor | None = None) -> torch.Tensor:
-    gate = None if store.gate is None else matvec(store, store.gate, x, idx)
-    up = store.add_up_bias(matvec(store, store.up, x, idx), idx)
-    a = activate_reference(activation, gate, up)
+    a = neuron_activations(store, activation, x, idx, matvec)
     return accumulate(store, store.down, a if keep is None else a * keep, idx)
 
 

@@ -33,10 +33,13 @@ from tqdm import tqdm
 
 from powerinfer.errors import PowerInferError
 from powerinfer.models.base import CausalLM
+from powerinfer.ops.linear import DenseLinear
 from powerinfer.outputs import OwnedNames, atomic_directory
 from powerinfer.runtime.engine import Engine
-from powerinfer.sparsity.files import load_json, load_torch_file, numbered_files
-from powerinfer.sparsity.profiler import calibration_chunks, observe_ffn
+from powerinfer.sparse.folders import load_json, load_torch_file, numbered_files
+from powerinfer.sparse.predictor import Predictor
+from powerinfer.sparse.profiler import calibration_chunks, observe_ffn
+from powerinfer.sparse.select import kept
 
 SPLITS = (0.8, 0.1, 0.1)  # train, calibration (threshold), held-out (report)
 COLLECT_BYTES = 4 << 30  # collected activations per pass over the text; more layers take more passes
@@ -107,7 +110,7 @@ def collect_layers(model: CausalLM, chunks: list[list[int]], units: Sequence[int
     def keep(unit: int, residual: torch.Tensor, a: torch.Tensor) -> None:
         if unit in inputs:
             inputs[unit].append(residual.to(torch.float16))
-            fired[unit].append(a.float().abs() > thresholds[unit])
+            fired[unit].append(kept(a.float(), thresholds[unit]))
 
     observe_ffn(model, Engine(model, max(len(c) for c in chunks)), chunks, keep,
                 f"collecting FFN units {units[0]}-{units[-1]}")
@@ -135,8 +138,9 @@ def _threshold_for_recall(scores: torch.Tensor, fired: torch.Tensor, recall: flo
     return float(torch.kthvalue(positives.float(), k + 1).values) if k > 0 else float(positives.min())
 
 
-def _scores(fc1: torch.Tensor, fc2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.relu(F.linear(x.float(), fc1)), fc2)
+def _float_predictor(fc1: torch.Tensor, fc2: torch.Tensor, threshold: float = 0.0) -> Predictor:
+    """The predictor that runs in the engine, in float32: its scores are the ones it is judged by."""
+    return Predictor(DenseLinear(fc1), DenseLinear(fc2), threshold)
 
 
 def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, options: TrainingOptions) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +173,7 @@ def _fit(x: torch.Tensor, y: torch.Tensor, rank: int, options: TrainingOptions) 
 
 def _evaluate(predictor: TrainedPredictor, x: torch.Tensor, fired: torch.Tensor) -> tuple[float, float, float, float]:
     """recall, precision, true sparsity, predicted sparsity of `predictor` on (x, fired)."""
-    predicted = _scores(predictor.fc1, predictor.fc2, x) >= predictor.threshold
+    predicted = _float_predictor(predictor.fc1, predictor.fc2, predictor.threshold).fires(x)
     hits = float((predicted & fired).sum())
     n_fired, n_predicted = float(fired.sum()), float(predicted.sum())
     recall = hits / n_fired if n_fired else 1.0
@@ -185,7 +189,7 @@ def train_layer(layer: int, data: LayerData, options: TrainingOptions) -> tuple[
 
     def fitted(rank: int) -> tuple[float, TrainedPredictor]:
         fc1, fc2 = _fit(x_train, y_train, rank, options)
-        threshold = _threshold_for_recall(_scores(fc1, fc2, x_calibration), y_calibration, options.calibration_recall)
+        threshold = _threshold_for_recall(_float_predictor(fc1, fc2).scores(x_calibration), y_calibration, options.calibration_recall)
         predictor = TrainedPredictor(fc1, fc2, threshold)
         return _evaluate(predictor, x_calibration, y_calibration)[3], predictor
 

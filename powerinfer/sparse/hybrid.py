@@ -19,21 +19,22 @@ from __future__ import annotations
 
 import torch
 
-from powerinfer.models.ffn import MAX_SPARSE_ROWS, SparseFFN, union
-from powerinfer.ops.activation import activate
 from powerinfer.ops.linear import CPU, ConcatLinear, DenseLinear, Linear, pack_int4, q8_as_nibbles
-from powerinfer.ops.neuron import (
+from powerinfer.sparse.ffn import MAX_SPARSE_ROWS, SparseFFN, union
+from powerinfer.sparse.neurons import (
     RAW,
     NeuronStore,
     Section,
     accumulate_rows,
+    activate,
     dequantize_records,
-    gather_matvec,
     matvec_records,
+    neuron_activations,
     q4_section,
     q8_section,
     sparse_ffn,
 )
+from powerinfer.sparse.select import Selector
 
 CHUNK_NEURONS = 4096  # records dequantized at a time (bounds temporaries)
 
@@ -52,10 +53,11 @@ class RecordNeurons:
     def nbytes(self) -> int:
         return self.records.nbytes
 
-    def ffn(self, x: torch.Tensor, activation, mask: torch.Tensor | None = None, threshold: float | None = None,
+    def ffn(self, x: torch.Tensor, activation, mask: torch.Tensor | None = None, chooser: Selector | None = None,
             many: bool = False) -> torch.Tensor:
-        """FFN output [m, d] of these neurons for x [m, d]: activations with |a| <= `threshold`
-        (oracle mode), or where `mask` [m or 1, neurons] is False (the predictor's choice), left out."""
+        """FFN output [m, d] of these neurons for x [m, d]: activations that `chooser` (a selector that
+        chooses from them) skips, or where `mask` [m or 1, neurons] is False (the predictor's
+        choice), left out."""
         y = None
         for start in range(0, self.records.shape[0], CHUNK_NEURONS):
             chunk = slice(start, start + CHUNK_NEURONS)
@@ -65,7 +67,7 @@ class RecordNeurons:
                 up = up + self.up_bias[chunk]
             if self.gate is not None:
                 up = torch.cat([self._products(records, self.gate, x, many), up], dim=-1)
-            a = _skip(activate(up, activation), threshold, None if mask is None else mask[:, chunk])
+            a = _skip(activate(up, activation), chooser, None if mask is None else mask[:, chunk])
             down = dequantize_records(records, self.down)
             # SparseFFN._dense: the very products the CPU runs for many rows
             part = SparseFFN._dense(a, down if self.down.bits == 32 else down.to(torch.bfloat16)) if many else a @ down
@@ -128,19 +130,19 @@ class KernelNeurons:
     def nbytes(self) -> int:
         return self.projection.nbytes + self.down.nbytes
 
-    def ffn(self, x: torch.Tensor, activation, mask: torch.Tensor | None = None, threshold: float | None = None,
+    def ffn(self, x: torch.Tensor, activation, mask: torch.Tensor | None = None, chooser: Selector | None = None,
             many: bool = False) -> torch.Tensor:
         """As `RecordNeurons.ffn`, in the int4 kernel's arithmetic (bfloat16 inputs)."""
         up = self.projection(x).float()
         if self.up_bias is not None:
             up[:, -self.n :] += self.up_bias
-        a = _skip(activate(up, activation), threshold, mask)
+        a = _skip(activate(up, activation), chooser, mask)
         return (a.to(self.down.dtype) @ self.down).float()
 
 
-def _skip(a: torch.Tensor, threshold: float | None, mask: torch.Tensor | None) -> torch.Tensor:
-    if threshold is not None:
-        a = a * (a.abs() > threshold)
+def _skip(a: torch.Tensor, chooser: Selector | None, mask: torch.Tensor | None) -> torch.Tensor:
+    if chooser is not None:
+        a = a * chooser.fired(a, None)
     return a if mask is None else a * mask
 
 
@@ -158,8 +160,7 @@ class HybridFFN(SparseFFN):
 
     def __init__(self, ffn: SparseFFN, hot: torch.Tensor, device: torch.device, offloaded: bool = False):
         home = device if offloaded else CPU
-        predictor = None if ffn.predictor is None else ffn.predictor.to(home)
-        super().__init__(ffn.store, ffn.activation, ffn.mode, predictor, ffn.threshold, ffn.tensors)
+        super().__init__(ffn.store, ffn.activation, ffn.selector.to(home), ffn.tensors)
         is_hot = torch.zeros(ffn.store.n_ff, dtype=torch.bool)
         is_hot[hot] = True
         self.hot, self.cold = hot, torch.nonzero(~is_hot).flatten()
@@ -172,19 +173,20 @@ class HybridFFN(SparseFFN):
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         residual = h if residual is None else residual
+        # a selector that chooses from the activations does so on each side; any other chooses first
+        chooser = self.selector if self.selector.from_activations else None
+        fires = None if chooser is not None else self.selector.fired(None, residual)
         if h.shape[0] > MAX_SPARSE_ROWS:  # prefill: dense products, skipped neurons zeroed per row
             self.last_active = self.store.n_ff
-            threshold = self.threshold if self.mode == "oracle" else None
-            keep = self.fired(None, h, residual) if self.mode == "auto" else None  # predictor: needs no a
-            hot = self._hot(h, None if keep is None else keep[:, self.hot_there], threshold, many=True)
-            cold_keep = None if keep is None else keep[:, self.cold_there].cpu()
-            return self._merge(h, hot, self._cold_dense(h.cpu(), threshold, cold_keep))
-        if self.mode == "off":
+            hot = self._hot(h, None if fires is None else fires[:, self.hot_there], chooser, many=True)
+            cold_keep = None if fires is None else fires[:, self.cold_there].cpu()
+            return self._merge(h, hot, self._cold_dense(h.cpu(), chooser, cold_keep))
+        if chooser is not None:
+            return self._merge(h, self._hot(h, chooser=chooser), self._cold_oracle(h.cpu()))
+        if fires is None:  # every neuron
             self.last_active = self.store.n_ff
             return self._merge(h, self._hot(h), self._cold_sparse(h.cpu(), self.cold))
-        if self.mode == "oracle":
-            return self._merge(h, self._hot(h, threshold=self.threshold), self._cold_oracle(h.cpu()))
-        fires = self.predictor.fires(residual)  # each row computes its own choice, as in SparseFFN
+        # each row computes its own choice, as in SparseFFN
         chosen, h_cpu = fires.cpu(), h.cpu()  # the layer's one synchronisation when the input is on the device
         cold = self.cold[union(chosen[:, self.cold])]
         self.last_active = int(chosen.any(0).sum())
@@ -192,12 +194,12 @@ class HybridFFN(SparseFFN):
         hot = self._hot(h, fires[:, self.hot_there])  # queued on the device, runs while the CPU works
         return self._merge(h, hot, self._cold_sparse(h_cpu, cold, chosen[:, cold]))
 
-    def _hot(self, h: torch.Tensor, mask: torch.Tensor | None = None, threshold: float | None = None,
+    def _hot(self, h: torch.Tensor, mask: torch.Tensor | None = None, chooser: Selector | None = None,
              many: bool = False) -> torch.Tensor | None:
         if self.accelerator is None:
             return None
         mask = None if mask is None else mask.to(self.device)
-        return self.accelerator.ffn(h.float().to(self.device), self.activation, mask, threshold, many)
+        return self.accelerator.ffn(h.float().to(self.device), self.activation, mask, chooser, many)
 
     def _merge(self, h: torch.Tensor, hot: torch.Tensor | None, cold: torch.Tensor | None) -> torch.Tensor:
         """hot + cold + the down bias, on the device `h` came on (copying hot back waits for the
@@ -208,26 +210,20 @@ class HybridFFN(SparseFFN):
             y = y.add_(part)
         return y if self.down_bias is None else y.add_(self.down_bias)
 
-    def _cold_dense(self, h: torch.Tensor, threshold: float | None, keep: torch.Tensor | None) -> torch.Tensor | None:
+    def _cold_dense(self, h: torch.Tensor, chooser: Selector | None, keep: torch.Tensor | None) -> torch.Tensor | None:
         """Many rows: SparseFFN's dense products over the cold neurons, skipped ones zeroed."""
         if len(self.cold) == 0:
             return None
-        s = self.store
-        up = s.add_up_bias(self._dense(h, self._weights(s.up, self.cold).T), self.cold)
-        if s.gate is not None:
-            up = torch.cat([self._dense(h, self._weights(s.gate, self.cold).T), up], dim=-1)
-        return self._dense(_skip(activate(up, self.activation), threshold, keep), self._weights(s.down, self.cold))
+        a = self.dense_activations(h, self.cold)
+        return self._dense(_skip(a, chooser, keep), self._weights(self.store.down, self.cold))
 
     def _cold_oracle(self, h: torch.Tensor) -> torch.Tensor | None:
         s, cold = self.store, self.cold
         if len(cold) == 0:
             self.last_active = self.n_hot
             return None
-        up = s.add_up_bias(gather_matvec(s, s.up, h, cold), cold)
-        if s.gate is not None:
-            up = torch.cat([gather_matvec(s, s.gate, h, cold), up], dim=-1)
-        a = activate(up, self.activation)
-        fired = a.abs() > self.threshold
+        a = neuron_activations(s, self.activation, h, cold)
+        fired = self.selector.fired(a, None)
         keep = union(fired)
         self.last_active = self.n_hot + len(keep)  # the accelerator computes all its neurons
         if len(keep) == 0:

@@ -17,10 +17,7 @@ from gguf import quants
 from powerinfer.config import FFNActivation
 from powerinfer.errors import PowerInferError, UnsupportedModelError
 from powerinfer.gguf.reader import GGUFFile, GGUFTensor
-from powerinfer.models.layers import projection_builder
-from powerinfer.models.predictor import Predictor, has_predictors, load_predictor, predictor_pays
 from powerinfer.ops import native
-from powerinfer.ops.activation import activate
 from powerinfer.ops.linear import (
     BiasedLinear,
     DenseLinear,
@@ -30,10 +27,12 @@ from powerinfer.ops.linear import (
     dequantized,
     float_vector,
 )
-from powerinfer.ops.neuron import NeuronStore, accumulate_rows, gather_matvec, sparse_ffn
 from powerinfer.ops.quant import FLOAT_TYPES, T
-from powerinfer.options import SparsityMode
-from powerinfer.sparse.storage import columns_name
+from powerinfer.options import FFNOptions, SparsityMode
+from powerinfer.sparse.neurons import NeuronStore, accumulate_rows, activate, neuron_activations, sparse_ffn
+from powerinfer.sparse.predictor import has_predictors, load_predictor, predictor_pays
+from powerinfer.sparse.select import AboveThreshold, AllNeurons, Predicted, Selector
+from powerinfer.sparse.storage import columns_name, projection_builder
 
 MAX_SPARSE_ROWS = 8  # beyond this many tokens at once (prefill) the FFN runs as masked dense GEMMs
 DENSE_SLICE = 2048  # neurons whose weights those GEMMs expand at a time
@@ -138,9 +137,14 @@ def _bias(gguf: GGUFFile, *names: str) -> torch.Tensor | None:
 
 
 class FFN:
-    """What dense and sparse FFNs share: showing their activations to an observer."""
+    """What dense and sparse FFNs share: showing their activations to an observer, and the forms
+    placement swaps between (`dense()`, `sparse()`)."""
 
     n_ff: int
+    mode: SparsityMode = "off"  # how it chooses neurons: a dense FFN computes them all
+    # The C++ (up, down) projections the native decode step runs this FFN with, fused into the
+    # block; None: the step hands the FFN its input and adds what it returns.
+    native_projections: tuple | None = None
 
     def observed(self, h: torch.Tensor, residual: torch.Tensor, observer, unit: int) -> torch.Tensor:
         """The output for h, the activations shown to observer(unit, residual, activations) on the way."""
@@ -165,14 +169,21 @@ class DenseFFN(FFN):
         return self.down(a)
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self.down(activate(self.up(h), self.activation))
+        return self.down(self.activations(h))
 
     def to(self, device: torch.device) -> DenseFFN:
         return DenseFFN(self.up.to(device), self.down.to(device), self.activation, self.tensors)
 
     def sparse(self) -> SparseFFN:
         """This FFN over neuron records, computing every neuron (mode "off")."""
-        return SparseFFN(self.tensors.neuron_store(), self.activation, "off", tensors=self.tensors)
+        return SparseFFN(self.tensors.neuron_store(), self.activation, AllNeurons(), self.tensors)
+
+    def dense(self) -> DenseFFN:
+        return self
+
+    @property
+    def native_projections(self) -> tuple:
+        return self.up.native, self.down.native
 
     @property
     def nbytes(self) -> int:
@@ -180,19 +191,12 @@ class DenseFFN(FFN):
 
 
 class SparseFFN(FFN):
-    """An FFN over per-neuron records that computes only the neurons that fire.
+    """An FFN over per-neuron records that computes only the neurons its `selector` chooses per row
+    (select.py: all, those above an activation threshold, or the predictor's)."""
 
-    mode "auto": neurons chosen by the predictor, per token; "oracle": every activation is computed
-    and the neurons whose |activation| <= threshold are skipped in the down projection (the exact
-    result for ReLU-family models with threshold 0); "off": all neurons.
-    """
-
-    def __init__(self, store: NeuronStore, activation: FFNActivation, mode: SparsityMode,
-                 predictor: Predictor | None = None, threshold: float = 0.0, tensors: FFNTensors | None = None):
-        if mode == "auto" and predictor is None:
-            raise ValueError("sparsity 'auto' needs a predictor")
-        self.store, self.activation, self.mode = store, activation, mode
-        self.predictor, self.threshold, self.tensors = predictor, threshold, tensors
+    def __init__(self, store: NeuronStore, activation: FFNActivation, selector: Selector,
+                 tensors: FFNTensors | None = None):
+        self.store, self.activation, self.selector, self.tensors = store, activation, selector, tensors
         self._all = torch.arange(store.n_ff)
         self.n_ff = store.n_ff
         self.last_active = store.n_ff  # neurons computed in the last call (for statistics)
@@ -211,15 +215,16 @@ class SparseFFN(FFN):
     def activations(self, h: torch.Tensor) -> torch.Tensor:
         s = self.store
         if h.shape[0] > MAX_SPARSE_ROWS:
-            gate, up = [], []
-            for neurons in _slices(self.n_ff):
-                up.append(s.add_up_bias(self._dense(h, self._weights(s.up, neurons).T), neurons))
-                if s.gate is not None:
-                    gate.append(self._dense(h, self._weights(s.gate, neurons).T))
-            return activate(torch.cat(gate + up, dim=-1), self.activation)
-        gate = None if s.gate is None else gather_matvec(s, s.gate, h, self._all)
-        up = s.add_up_bias(gather_matvec(s, s.up, h, self._all))
-        return activate(up if gate is None else torch.cat([gate, up], dim=-1), self.activation)
+            return torch.cat([self.dense_activations(h, neurons) for neurons in _slices(self.n_ff)], dim=-1)
+        return neuron_activations(s, self.activation, h, self._all)
+
+    def dense_activations(self, h: torch.Tensor, neurons: torch.Tensor | slice) -> torch.Tensor:
+        """The activations of `neurons` for many rows h, as dense GEMMs."""
+        s = self.store
+        up = s.add_up_bias(self._dense(h, self._weights(s.up, neurons).T), neurons)
+        if s.gate is not None:
+            up = torch.cat([self._dense(h, self._weights(s.gate, neurons).T), up], dim=-1)
+        return activate(up, self.activation)
 
     def project(self, a: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
         """The FFN output from the activations `a` of neurons `idx` (all when None)."""
@@ -231,29 +236,33 @@ class SparseFFN(FFN):
             return s.add_down_bias(y)
         return s.add_down_bias(accumulate_rows(s, s.down, a, self._all if idx is None else idx))
 
-    def fired(self, a: torch.Tensor | None, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """Which neurons each row computes ([rows, n_ff] bool): the predictor's choice ("auto", from
-        the residual; `a` unused) or those whose |activation| exceeds the threshold ("oracle")."""
-        if self.mode == "oracle":
-            return a.abs() > self.threshold
-        return self.predictor.fires(h if residual is None else residual)
+    def sparse(self) -> SparseFFN:
+        return self
+
+    def dense(self) -> DenseFFN:
+        """This FFN computed for every neuron, from the file's tensors."""
+        return self.tensors.dense()
+
+    @property
+    def mode(self) -> SparsityMode:
+        return self.selector.mode
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        residual = h if residual is None else residual
         if h.shape[0] > MAX_SPARSE_ROWS:
             # Many rows (prefill, perplexity): dense GEMMs, with each row's skipped neurons zeroed,
             # which is what computing only the chosen neurons per token gives.
             a = self.activations(h)
-            if self.mode != "off":
-                a = a * self.fired(a, h, residual)
-            return self.project(a)
-        if self.mode == "off":
+            fired = self.selector.fired(a, residual)
+            return self.project(a if fired is None else a * fired)
+        if self._predicted is not None and h.shape[0] == 1:  # one token: the same steps in one native call
+            y, self.last_active = self._predicted(h, residual)
+            return self.store.add_down_bias(y)
+        a = self.activations(h) if self.selector.from_activations else None
+        fired = self.selector.fired(a, residual)
+        if fired is None:
             self.last_active = self.store.n_ff
             return self.store.add_down_bias(sparse_ffn(self.store, self.activation, h, self._all))
-        if self._predicted is not None and h.shape[0] == 1:  # one token: the same steps in one native call
-            y, self.last_active = self._predicted(h, h if residual is None else residual)
-            return self.store.add_down_bias(y)
-        a = self.activations(h) if self.mode == "oracle" else None
-        fired = self.fired(a, h, residual)
         idx = union(fired)  # read once for all rows; each row keeps its own choice
         self.last_active = len(idx)
         if a is not None:
@@ -262,15 +271,15 @@ class SparseFFN(FFN):
 
     @property
     def nbytes(self) -> int:
-        return self.store.nbytes + (self.predictor.nbytes if self.predictor is not None else 0)
+        return self.store.nbytes + self.selector.nbytes
 
 
 def predicted_ffn(ffn: SparseFFN):
-    """The native object that runs `ffn`'s single-token call in mode "auto" (predictor, choice of
-    neurons, sparse operator), or None where the Python steps must run: no native build, a predictor
-    off our quantized kernel (float files' bfloat16 predictors), up biases (OPT)."""
-    ops, store, predictor = native.load(), ffn.store, ffn.predictor
-    if ops is None or ffn.mode != "auto" or store.up_bias is not None or \
+    """The native object that runs `ffn`'s single-token call when its predictor chooses (predictor,
+    choice of neurons, sparse operator), or None where the Python steps must run: no native build,
+    a predictor off our quantized kernel (float files' bfloat16 predictors), up biases (OPT)."""
+    ops, store, predictor = native.load(), ffn.store, ffn.selector.predictor
+    if ops is None or predictor is None or store.up_bias is not None or \
             not all(isinstance(fc, QuantLinear) for fc in (predictor.fc1, predictor.fc2)):
         return None
     return ops.PredictedFFN(predictor.fc1.projection, predictor.fc2.projection, predictor.threshold, store.records,
@@ -290,16 +299,6 @@ def union(fired: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- building FFNs from a GGUF file
-
-@dataclass(frozen=True)
-class FFNOptions:
-    """How FFNs are built. `thresholds`: per FFN unit |activation| thresholds for oracle mode
-    (default: the file's calibrated ones; 0 for ReLU-family models)."""
-
-    sparsity: SparsityMode = "auto"
-    float32: bool = False
-    thresholds: tuple[float, ...] | None = None
-
 
 def _oracle_threshold(gguf: GGUFFile, unit: int, activation: FFNActivation, options: FFNOptions) -> float:
     if options.thresholds is not None:
@@ -335,8 +334,8 @@ def build_ffn(gguf: GGUFFile, tensors: FFNTensors, unit: int, options: FFNOption
     store = tensors.neuron_store()
     if options.sparsity == "oracle":
         threshold = _oracle_threshold(gguf, unit, activation, options)
-        return SparseFFN(store, activation, "oracle", threshold=threshold, tensors=tensors)
+        return SparseFFN(store, activation, AboveThreshold(threshold), tensors)
     if predicted:
         predictor = load_predictor(gguf, tensors.layer, tensors.expert, unit, shape=(store.dim_in, store.n_ff))
-        return SparseFFN(store, activation, "auto", predictor=predictor, tensors=tensors)
-    return SparseFFN(store, activation, "off", tensors=tensors)
+        return SparseFFN(store, activation, Predicted(predictor), tensors)
+    return SparseFFN(store, activation, AllNeurons(), tensors)

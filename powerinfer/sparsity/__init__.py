@@ -1,1 +1,0 @@
-"""Activation sparsity: profiling which FFN neurons fire, and predicting them."""
