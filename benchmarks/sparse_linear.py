@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +34,8 @@ from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
 from powerinfer.ops.linear import build_linear
 from powerinfer.ops.quant import dequantize_rows, random_blocks, row_bytes
-from powerinfer.sparse.columns import ColumnLinear, ColumnMatrix, transpose_quantize
+from powerinfer.sparse.columns import transpose_quantize
+from powerinfer.sparse.payoff import median_seconds, random_column_linear
 
 from common import machine_description, memory_bandwidth
 
@@ -47,27 +46,6 @@ SPARSITIES = (0.0, 0.4, 0.5, 0.6, 0.7)
 ERROR_COLUMN_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_1, T.Q8_0)  # re-quantization error and bytes of each
 FROM_MEMORY_BYTES = 160 << 20  # copies of a linear rotate until they hold this much (5x this L3)
 RESULTS = Path(__file__).parent / "results"
-
-
-def median_seconds(layers: Sequence[Callable[[torch.Tensor], object]], x: torch.Tensor, min_seconds: float,
-                   clock: Callable[[], float]) -> float:
-    """Median time of a call, the copies of a layer taking turns (so that each reads from memory)."""
-    times, started = [], time.perf_counter()
-    while time.perf_counter() - started < min_seconds or len(times) < 3 * len(layers):
-        layer = layers[len(times) % len(layers)]
-        t = clock()
-        layer(x)
-        times.append(clock() - t)
-    return statistics.median(times)
-
-
-def column_copies(ggml_type: T, in_features: int, outputs: Sequence[int], copies: int, rng) -> list[ColumnLinear]:
-    layers = []
-    for _ in range(copies):
-        matrices = [ColumnMatrix(torch.from_numpy(random_blocks(ggml_type, in_features, out, rng)), ggml_type, out)
-                    for out in outputs]
-        layers.append(ColumnLinear(matrices, torch.zeros(in_features)))
-    return layers
 
 
 def requantization_error(row_type: T, column_type: T, out_features: int, in_features: int, rng) -> tuple[float, float]:
@@ -121,7 +99,8 @@ def main() -> None:
             copies = max(2, -(-FROM_MEMORY_BYTES // dense_bytes))
             dense = [build_linear([GGUFTensor("w", ggml_type, (out_features, in_features),
                                               random_blocks(ggml_type, out_features, in_features, rng))]) for _ in range(copies)]
-            columns = column_copies(column_type, in_features, outputs, copies, rng)
+            columns = [random_column_linear(in_features, [(column_type, out) for out in outputs], rng)
+                       for _ in range(copies)]
             record_bytes = columns[0].nbytes // in_features
             for rows in args.rows:
                 x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))

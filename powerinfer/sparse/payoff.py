@@ -67,13 +67,15 @@ def _row_layers(shape: LinearShape, rng: np.random.Generator) -> list[Linear]:
     return [build_linear(tensors()) for _ in range(_copies(shape))]
 
 
-def _column_layers(shape: LinearShape, rng: np.random.Generator) -> list[ColumnLinear]:
-    def one() -> ColumnLinear:
-        matrices = [ColumnMatrix(torch.from_numpy(random_blocks(c, shape.in_features, out, rng)), c, out)
-                    for c, (_, out) in zip(shape.columns, shape.rows)]
-        return ColumnLinear(matrices, torch.zeros(shape.in_features))
+def random_column_linear(in_features: int, columns: Sequence[tuple[T, int]], rng: np.random.Generator) -> ColumnLinear:
+    """A ColumnLinear of random blocks, per matrix its column type and outputs, thresholds 0."""
+    matrices = [ColumnMatrix(torch.from_numpy(random_blocks(t, in_features, out, rng)), t, out) for t, out in columns]
+    return ColumnLinear(matrices, torch.zeros(in_features))
 
-    return [one() for _ in range(_copies(shape))]
+
+def _column_layers(shape: LinearShape, rng: np.random.Generator) -> list[ColumnLinear]:
+    columns = [(c, out) for c, (_, out) in zip(shape.columns, shape.rows)]
+    return [random_column_linear(shape.in_features, columns, rng) for _ in range(_copies(shape))]
 
 
 def measured_break_even(shape: LinearShape) -> float:
