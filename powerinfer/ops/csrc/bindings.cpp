@@ -56,14 +56,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("in_features", &QuantProjection::in_features)
       .def_readonly("out_features", &QuantProjection::out_features);
   py::class_<SparseInputProjection, Projection, std::shared_ptr<SparseInputProjection>>(m, "SparseInputProjection")
-      .def(py::init<torch::Tensor, std::vector<int64_t>, std::vector<int64_t>, torch::Tensor, int64_t,
-                    std::optional<torch::Tensor>>(),
+      .def(py::init<torch::Tensor, std::vector<int64_t>, std::vector<int64_t>, torch::Tensor, int64_t, torch::Tensor>(),
            "column records uint8 [in, bytes] (per part the raw GGML rows of a transposed weight), the parts' GGML "
            "types and output counts, float32 thresholds [in] (a row skips channel i where |x_i| <= thresholds[i]), "
-           "the most rows computed sparsely (more: all columns read), and optionally the contiguous uint8 tensor "
-           "of the same shape that receives the repacked records (default: a new one)",
+           "the most rows computed sparsely (more: all columns read), and the contiguous uint8 tensor of the same "
+           "shape that receives the repacked records",
            py::arg("raw_records"), py::arg("types"), py::arg("part_outputs"), py::arg("thresholds"),
-           py::arg("sparse_max_rows"), py::arg("destination") = py::none())
+           py::arg("sparse_max_rows"), py::arg("destination"))
       .def_readonly("records", &SparseInputProjection::records)
       .def_readonly("thresholds", &SparseInputProjection::thresholds)
       .def_readonly("in_features", &SparseInputProjection::in_features)

@@ -83,7 +83,7 @@ constexpr int64_t MIN_TASK_OUTPUTS = 512;
 
 SparseInputProjection::SparseInputProjection(const torch::Tensor& raw, std::vector<int64_t> types_,
                                              std::vector<int64_t> part_outputs_, torch::Tensor thresholds_,
-                                             int64_t sparse_max_rows_, std::optional<torch::Tensor> destination)
+                                             int64_t sparse_max_rows_, torch::Tensor destination)
     : thresholds(std::move(thresholds_)), types(std::move(types_)), part_outputs(std::move(part_outputs_)),
       out_features(0), sparse_max_rows(sparse_max_rows_) {
   TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2, "column records must be uint8 [in, record bytes]");
@@ -104,13 +104,9 @@ SparseInputProjection::SparseInputProjection(const torch::Tensor& raw, std::vect
     out_features += part_outputs[p];
   }
   TORCH_CHECK(offset == raw.size(1), "these parts take ", offset, " bytes per channel, the records hold ", raw.size(1));
-  if (destination) {
-    TORCH_CHECK(destination->dtype() == torch::kUInt8 && destination->sizes() == raw.sizes() && destination->is_contiguous(),
-                "the destination of the records must be contiguous uint8 of the records' shape");
-    records = *destination;
-  } else {
-    records = torch::empty_like(raw, torch::MemoryFormat::Contiguous);
-  }
+  TORCH_CHECK(destination.dtype() == torch::kUInt8 && destination.sizes() == raw.sizes() && destination.is_contiguous(),
+              "the destination of the records must be contiguous uint8 of the records' shape");
+  records = std::move(destination);
   const auto source = raw.contiguous();
   at::parallel_for(0, in_features, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {

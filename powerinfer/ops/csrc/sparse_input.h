@@ -30,7 +30,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <optional>
 #include <vector>
 
 #include "ggml_blocks.h"
@@ -94,10 +93,9 @@ struct SparseInputProjection : Projection {
 
   // raw_records: per channel, its column of each part as raw GGML blocks; types, part_outputs: per
   // part, its GGML type and its number of outputs (a multiple of the type's block); destination:
-  // where the repacked records go (e.g. memory on huge pages), a new tensor if absent.
+  // where the repacked records go (the caller's memory, e.g. on huge pages), the raw records' shape.
   SparseInputProjection(const torch::Tensor& raw_records, std::vector<int64_t> types, std::vector<int64_t> part_outputs,
-                        torch::Tensor thresholds, int64_t sparse_max_rows,
-                        std::optional<torch::Tensor> destination = std::nullopt);
+                        torch::Tensor thresholds, int64_t sparse_max_rows, torch::Tensor destination);
   torch::Tensor operator()(const torch::Tensor& x) const override;
 
   // (row, channel) pairs the last call selected.
