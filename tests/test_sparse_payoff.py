@@ -1,5 +1,5 @@
-"""The measured pay-off of column layouts (powerinfer/sparse/payoff.py): a site is stored by columns
-only from the sparsity at which its shape's columns beat its rows, each shape measured once."""
+"""The measured pay-off of channel runs (powerinfer/sparse/payoff.py): a site gets thresholds only
+from the sparsity at which its shape's runs beat its rows, each shape measured once."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from powerinfer.ops.quant import T
 from powerinfer.sparse.payoff import NEVER, SPARSITY_STEPS, BreakEven, LinearShape, measured_break_even
 
-QKV = LinearShape(64, ((T.Q4_0, 64), (T.Q4_0, 32), (T.Q4_0, 32)), (T.Q4_0, T.Q4_0, T.Q4_0))
-DOWN = LinearShape(256, ((T.Q4_K, 256),), (T.Q4_K,))
+QKV = LinearShape(64, ((T.Q4_0, 64), (T.Q4_0, 32), (T.Q4_0, 32)))
+DOWN = LinearShape(256, ((T.Q4_K, 256),))
 
 
 def test_a_site_pays_from_its_shapes_break_even_measured_once():

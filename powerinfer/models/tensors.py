@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from powerinfer.config import ModelConfig
 from powerinfer.errors import ModelFileError
 from powerinfer.gguf.reader import GGUFFile
-from powerinfer.sparse.storage import columns_name
 
 Shape = tuple[int | None, ...]
 
@@ -36,9 +35,8 @@ class TensorTable:
         self.one_of.append(tuple(shapes))
 
     def check(self, gguf: GGUFFile) -> None:
-        """A matrix may be stored transposed, by columns (a `sparsify` output: sparse/storage.py)."""
         for name in sorted(self.required):
-            if name not in gguf.tensors and columns_name(name) not in gguf.tensors:
+            if name not in gguf.tensors:
                 raise ModelFileError(f"{gguf.path}: tensor {name} is missing")
         for names in self.one_of:
             present = [n for n in names if n in gguf.tensors]
@@ -46,9 +44,6 @@ class TensorTable:
                 raise ModelFileError(f"{gguf.path}: expected exactly one of {', '.join(names)}, found {len(present)}")
         for name, expected in self.shapes.items():
             tensor = gguf.tensors.get(name)
-            if tensor is None and len(expected) == 2 and columns_name(name) in gguf.tensors:
-                name, expected = columns_name(name), expected[::-1]
-                tensor = gguf.tensors[name]
             if tensor is None:
                 continue
             shape = tuple(tensor.shape)

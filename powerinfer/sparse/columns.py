@@ -1,113 +1,114 @@
-"""Input-sparse linears on a column layout (TEAL-style activation sparsity).
+"""Input-sparse linears on channel runs (TEAL-style activation sparsity).
 
 Per row of x, an input channel i with |x_i| <= thresholds[i] is skipped, and its weights are never
-read: W [out, in] is stored by columns, as the raw GGML rows of the transposed weight W.T (row i of
-that tensor is column i of W, in a block type: Q4_0, Q4_1, Q8_0, or Q4_K / Q6_K where the outputs
-are whole super-blocks of 256). A fused projection (q, k and v) keeps several transposed matrices
-side by side along the outputs: channel i's record holds its column of each.
+read. The file keeps its rows; at load the native executor `SparseInputProjection`
+(powerinfer/ops/csrc/sparse_input.h) regroups them, without re-quantization, into channel runs: per
+block of 32 inputs the block's scales for every output, then each channel's weights for every output,
+contiguous. The matrices of one projection (q, k and v; gate and up) go side by side along the
+outputs, so that a run is long enough that skipping it saves memory traffic. Q4_0, Q4_1, Q4_K and
+Q8_0 rows have such a form (RUN_TYPES); a linear of another type stays by rows.
 
-The native executor is `SparseInputProjection` (powerinfer/ops/csrc/sparse_input.h): up to
-`SPARSE_MAX_ROWS` rows read only their active channels' columns, more rows (prefill) read all of
-them, each row's skipped channels set to 0 (the same result: logits do not depend on batching). On AVX2 (and AVX-512) CPUs it rounds Q4_0 and Q4_1 coefficients x_i d_i to int8 per block of
-32 outputs and batch of channels, as the dense AVX2 kernel rounds x to int8 per 32 inputs; other
-types, and the scalar path, multiply float32 x by the dequantized weights. `sparse_reference` is
+Up to `SPARSE_MAX_ROWS` rows read only their active channels' runs, more rows (prefill) read all of
+them, each row's skipped channels set to 0 (the same result: logits do not depend on batching). The
+kernels round x to int8 per block of 32 inputs, as the dense row kernels do. `sparse_reference` is
 the plain-torch reference, used where the native module is absent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from gguf import GGML_QUANT_SIZES, quants
 
-from powerinfer.convert.kquants import K_QUANT_TYPES, quantize_k
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
 from powerinfer.ops.linear import Linear, mapped_tensor
-from powerinfer.ops.quant import BLOCK_TYPES, T, dequantize_rows
+from powerinfer.ops.quant import T, dequantize_rows
 from powerinfer.sparse.neurons import hugepage_buffer
 from powerinfer.sparse.select import kept
 
-# Calls with more rows than this read every column (prefill): a union of many rows' channels
-# is most of them, and a matrix product of dequantized tiles is then faster than column sums
-# (measured, 4096 x 4096 Q4_0, one thread, AVX2: 9 rows 5.4 ms sparse vs 13.3 ms tiles, 64 rows
-# 35 vs 30 ms).
+# Calls with more rows than this read every channel (prefill): a union of many rows' channels
+# is most of them, and a matrix product of dequantized tiles is then faster.
 SPARSE_MAX_ROWS = 32
+
+# The row types that channel runs take: the 4-bit ones together, or Q8_0 alone (sparse_input.h).
+FOUR_BIT_RUN_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
+RUN_TYPES = FOUR_BIT_RUN_TYPES | {T.Q8_0}
+
+
+def runs_take(types: Sequence[T]) -> bool:
+    """Whether matrices of these types, side by side, have a channel-run form."""
+    return all(t in FOUR_BIT_RUN_TYPES for t in types) or all(t == T.Q8_0 for t in types)
 
 
 @dataclass(frozen=True)
-class ColumnMatrix:
-    """One transposed weight in GGML blocks: rows uint8 [in, bytes], row i holding column i of W."""
+class RowMatrix:
+    """One weight [out, in] as its file stores it: raw GGML rows uint8 [out, bytes per row]."""
 
     rows: torch.Tensor
     ggml_type: T
-    out_features: int
+    in_features: int
 
     @property
-    def in_features(self) -> int:
+    def out_features(self) -> int:
         return self.rows.shape[0]
 
     def dequantized(self) -> torch.Tensor:
-        """W.T as float32 [in, out]."""
-        return dequantize_rows(self.rows, self.ggml_type, self.out_features)
+        """W as float32 [out, in]."""
+        return dequantize_rows(self.rows, self.ggml_type, self.in_features)
 
 
-def from_gguf(tensor: GGUFTensor) -> ColumnMatrix:
-    """A transposed weight as a GGUF file stores it (torch shape [in, out]), left in the mapping."""
-    if tensor.ggml_type not in BLOCK_TYPES or len(tensor.shape) != 2:
-        raise ValueError(f"{tensor.name}: a column layout takes a matrix in a GGML block type, not {tensor.ggml_type.name}")
-    return ColumnMatrix(mapped_tensor(tensor.rows_as_bytes()), tensor.ggml_type, tensor.shape[1])
+def from_gguf(tensor: GGUFTensor) -> RowMatrix:
+    """A weight as a GGUF file stores it, left in the mapping."""
+    if tensor.ggml_type not in RUN_TYPES or len(tensor.shape) != 2:
+        raise ValueError(f"{tensor.name}: channel runs take a matrix of {', '.join(sorted(t.name for t in RUN_TYPES))}, "
+                         f"not {tensor.ggml_type.name}")
+    return RowMatrix(mapped_tensor(tensor.rows_as_bytes()), tensor.ggml_type, tensor.shape[1])
 
 
-def transpose_quantize(weight: torch.Tensor, ggml_type: T) -> ColumnMatrix:
-    """The columns of a float weight [out, in] quantized to `ggml_type`: the gguf package's encoder,
-    ours for the K-quants (which the gguf package does not encode)."""
-    block = GGML_QUANT_SIZES[ggml_type][0]
-    out_features = weight.shape[0]
-    if ggml_type not in BLOCK_TYPES or out_features % block:
-        raise ValueError(f"{out_features} outputs do not split into blocks of {ggml_type.name} ({block} values)")
-    columns = weight.detach().T.float().contiguous().numpy()
-    raw = quantize_k(columns, ggml_type) if ggml_type in K_QUANT_TYPES else quants.quantize(columns, ggml_type)
-    return ColumnMatrix(torch.from_numpy(raw), ggml_type, out_features)
-
-
-def sparse_reference(matrices: Sequence[ColumnMatrix], thresholds: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def sparse_reference(matrices: Sequence[RowMatrix], thresholds: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """What the native projection computes, in plain torch: the channels above threshold of each row
-    times the dequantized columns, float32."""
+    times the dequantized weights, float32."""
     x = x.float()
     x = torch.where(kept(x, thresholds), x, torch.zeros_like(x))
-    return x @ torch.cat([m.dequantized() for m in matrices], dim=1)
+    return x @ torch.cat([m.dequantized() for m in matrices], dim=0).T
 
 
 class ColumnLinear(Linear):
-    """y = x @ W.T on column records, skipping each row's inputs at or below their thresholds.
+    """y = x @ W.T on channel runs, skipping each row's inputs at or below their thresholds.
     `projection` is the native SparseInputProjection (what the C++ decode step calls), None
-    without the native module."""
+    without the native module. `release_pages`, given, drops the file's mapped pages once the runs
+    are built (they are then the only copy)."""
 
-    def __init__(self, matrices: Sequence[ColumnMatrix], thresholds: torch.Tensor):
+    def __init__(self, matrices: Sequence[RowMatrix], thresholds: torch.Tensor,
+                 release_pages: Callable[[], None] | None = None):
         self.matrices = list(matrices)
         self.in_features = self.matrices[0].in_features
         self.out_features = sum(m.out_features for m in self.matrices)
         if any(m.in_features != self.in_features for m in self.matrices):
-            raise ValueError("the matrices of a column layout must share their inputs")
+            raise ValueError("the matrices of a sparse linear must share their inputs")
+        if not runs_take([m.ggml_type for m in self.matrices]):
+            raise ValueError(f"no channel-run form for {', '.join(m.ggml_type.name for m in self.matrices)} side by side")
         if thresholds.shape != (self.in_features,):
             raise ValueError(f"one threshold per input channel ({self.in_features}), not {tuple(thresholds.shape)}")
         self.thresholds = thresholds.float().contiguous()
         ops = native.load()
         self.projection = None
+        self._bytes = sum(m.rows.numel() for m in self.matrices)
         if ops is not None:
-            # one record per channel: its column of every matrix (a copy only for fused matrices)
-            records = torch.cat([m.rows for m in self.matrices], dim=1) if len(self.matrices) > 1 else self.matrices[0].rows
-            destination, self._region = hugepage_buffer(records.numel())
-            self.projection = ops.SparseInputProjection(records.contiguous(), [int(m.ggml_type) for m in self.matrices],
-                                                        [m.out_features for m in self.matrices], self.thresholds,
-                                                        SPARSE_MAX_ROWS, destination.view(records.shape))
+            types = [int(m.ggml_type) for m in self.matrices]
+            self._bytes = ops.channel_run_bytes(types, [m.out_features for m in self.matrices], self.in_features)
+            destination, self._region = hugepage_buffer(self._bytes)
+            self.projection = ops.SparseInputProjection([m.rows for m in self.matrices], types, self.in_features,
+                                                        self.thresholds, SPARSE_MAX_ROWS, destination)
+            self.matrices = []  # the runs are the weights now
+            if release_pages is not None:
+                release_pages()
 
     def to(self, device: torch.device) -> ColumnLinear:
         if torch.device(device).type != "cpu":
-            raise ValueError("column layouts run on the CPU only")
+            raise ValueError("channel runs run on the CPU only")
         return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,9 +127,10 @@ class ColumnLinear(Linear):
 
     @property
     def nbytes(self) -> int:
-        return sum(m.rows.numel() for m in self.matrices)
+        return self._bytes
 
 
-def column_linear(matrices: Sequence[ColumnMatrix | GGUFTensor], thresholds: torch.Tensor) -> ColumnLinear:
-    """A ColumnLinear over transposed weights (GGUF tensors or ColumnMatrix), side by side along the outputs."""
-    return ColumnLinear([m if isinstance(m, ColumnMatrix) else from_gguf(m) for m in matrices], thresholds)
+def column_linear(matrices: Sequence[RowMatrix | GGUFTensor], thresholds: torch.Tensor,
+                  release_pages: Callable[[], None] | None = None) -> ColumnLinear:
+    """A ColumnLinear over weights (GGUF tensors or RowMatrix), side by side along the outputs."""
+    return ColumnLinear([m if isinstance(m, RowMatrix) else from_gguf(m) for m in matrices], thresholds, release_pages)

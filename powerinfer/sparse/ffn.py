@@ -32,7 +32,7 @@ from powerinfer.options import FFNOptions, SparsityMode
 from powerinfer.sparse.neurons import NeuronStore, accumulate_rows, activate, neuron_activations, sparse_ffn
 from powerinfer.sparse.predictor import has_predictors, load_predictor, predictor_pays
 from powerinfer.sparse.select import AboveThreshold, AllNeurons, Predicted, Selector
-from powerinfer.sparse.storage import columns_name, projection_builder
+from powerinfer.sparse.storage import projection_builder
 
 MAX_SPARSE_ROWS = 8  # beyond this many tokens at once (prefill) the FFN runs as masked dense GEMMs
 DENSE_SLICE = 2048  # neurons whose weights those GEMMs expand at a time
@@ -313,12 +313,12 @@ def _oracle_threshold(gguf: GGUFFile, unit: int, activation: FFNActivation, opti
 
 
 def input_sparse_ffn(gguf: GGUFFile, layer: int, activation: FFNActivation, options: FFNOptions) -> DenseFFN:
-    """Block `layer`'s FFN in a `sparsify` output: dense in form, its linears that the file stores by
-    columns skipping their input's small channels (sparse/storage.py)."""
+    """Block `layer`'s FFN in a `sparsify` output: dense in form, its linears whose sites have
+    thresholds skipping their input's small channels (sparse/storage.py)."""
     linear = projection_builder(gguf, options)
     name = lambda part: f"blk.{layer}.{part}.weight"  # noqa: E731
     # without ffn_gate, ffn_up holds the gate rows then the up rows (Phi-3's gate_up_proj)
-    has_gate = any(n in gguf.tensors for n in (name("ffn_gate"), columns_name(name("ffn_gate"))))
+    has_gate = name("ffn_gate") in gguf.tensors
     up = linear(name("ffn_gate"), name("ffn_up")) if activation.is_gated and has_gate else linear(name("ffn_up"))
     return DenseFFN(up, linear(name("ffn_down")), activation, None)
 

@@ -1,9 +1,9 @@
-"""Whether storing a site by columns pays on this machine: measured, not assumed.
+"""Whether skipping a site's input channels pays on this machine: measured, not assumed.
 
-A column layout reads only the selected channels' bytes, but its kernel does more arithmetic per
-byte than the row kernel, and much more per column where columns are short (SmolLM2's 576
-outputs): the share of channels a site must skip before it decodes faster by columns depends on
-the CPU, the threads and the linear's shape. `BreakEven` times both layouts once per distinct shape
+Channel runs (columns.py) read only the selected channels' bytes, but skipping a short run saves
+little memory traffic (the hardware prefetchers fetch its neighbours), and a block's scales are read
+whatever it skips: the share of channels a site must skip before it decodes faster than by rows
+depends on the CPU, the threads and the linear's shape. `BreakEven` times both layouts once per distinct shape
 (random blocks: the speed does not depend on the values; copies rotating, so that every call reads
 from memory as decoding does) and finds the least sparsity at which the columns win.
 """
@@ -21,7 +21,7 @@ import torch
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops.linear import Linear, build_linear
 from powerinfer.ops.quant import T, random_blocks, row_bytes
-from powerinfer.sparse.columns import ColumnLinear, ColumnMatrix
+from powerinfer.sparse.columns import ColumnLinear, RowMatrix
 
 # The sparsities tried, in order: a site pays from the first one at which its columns win.
 SPARSITY_STEPS = tuple(round(0.1 * i, 1) for i in range(1, 10))
@@ -34,11 +34,10 @@ MIN_CALLS = 9
 
 @dataclass(frozen=True)
 class LinearShape:
-    """A (fused) linear as its file stores it by rows, and as its columns would be stored."""
+    """A (fused) linear as its file stores it by rows."""
 
     in_features: int
     rows: tuple[tuple[T, int], ...]  # per matrix: its row type, its outputs
-    columns: tuple[T, ...]  # per matrix: the block type of its columns
 
     @property
     def row_bytes(self) -> int:
@@ -67,19 +66,18 @@ def _row_layers(shape: LinearShape, rng: np.random.Generator) -> list[Linear]:
     return [build_linear(tensors()) for _ in range(_copies(shape))]
 
 
-def random_column_linear(in_features: int, columns: Sequence[tuple[T, int]], rng: np.random.Generator) -> ColumnLinear:
-    """A ColumnLinear of random blocks, per matrix its column type and outputs, thresholds 0."""
-    matrices = [ColumnMatrix(torch.from_numpy(random_blocks(t, in_features, out, rng)), t, out) for t, out in columns]
+def random_column_linear(in_features: int, rows: Sequence[tuple[T, int]], rng: np.random.Generator) -> ColumnLinear:
+    """A ColumnLinear of random blocks, per matrix its row type and outputs, thresholds 0."""
+    matrices = [RowMatrix(torch.from_numpy(random_blocks(t, out, in_features, rng)), t, in_features) for t, out in rows]
     return ColumnLinear(matrices, torch.zeros(in_features))
 
 
 def _column_layers(shape: LinearShape, rng: np.random.Generator) -> list[ColumnLinear]:
-    columns = [(c, out) for c, (_, out) in zip(shape.columns, shape.rows)]
-    return [random_column_linear(shape.in_features, columns, rng) for _ in range(_copies(shape))]
+    return [random_column_linear(shape.in_features, shape.rows, rng) for _ in range(_copies(shape))]
 
 
 def measured_break_even(shape: LinearShape) -> float:
-    """The least of SPARSITY_STEPS at which one row through the columns beats the rows (NEVER if
+    """The least of SPARSITY_STEPS at which one row through channel runs beats the rows (NEVER if
     none does), timed on this machine with torch's threads."""
     rng = np.random.default_rng(0)
     x = torch.randn(1, shape.in_features, generator=torch.Generator().manual_seed(0))
@@ -107,5 +105,5 @@ class BreakEven:
         return self.known[shape]
 
     def pays(self, shape: LinearShape, sparsity: float) -> bool:
-        """Whether a site of this shape skipping `sparsity` of its channels decodes faster by columns."""
+        """Whether a site of this shape skipping `sparsity` of its channels decodes faster so."""
         return sparsity > 0 and sparsity >= self(shape)

@@ -56,20 +56,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("in_features", &QuantProjection::in_features)
       .def_readonly("out_features", &QuantProjection::out_features);
   py::class_<SparseInputProjection, Projection, std::shared_ptr<SparseInputProjection>>(m, "SparseInputProjection")
-      .def(py::init<torch::Tensor, std::vector<int64_t>, std::vector<int64_t>, torch::Tensor, int64_t, torch::Tensor>(),
-           "column records uint8 [in, bytes] (per part the raw GGML rows of a transposed weight), the parts' GGML "
-           "types and output counts, float32 thresholds [in] (a row skips channel i where |x_i| <= thresholds[i]), "
-           "the most rows computed sparsely (more: all columns read), and the contiguous uint8 tensor of the same "
-           "shape that receives the repacked records",
-           py::arg("raw_records"), py::arg("types"), py::arg("part_outputs"), py::arg("thresholds"),
-           py::arg("sparse_max_rows"), py::arg("destination"))
-      .def_readonly("records", &SparseInputProjection::records)
+      .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, torch::Tensor, int64_t, torch::Tensor>(),
+           "per matrix its raw GGML rows uint8 [outputs, row bytes], their GGML types, the input channels, float32 "
+           "thresholds [in] (a row skips channel i where |x_i| <= thresholds[i]), the most rows computed sparsely "
+           "(more: all channels read), and the contiguous uint8 tensor of channel_run_bytes(...) that receives the runs",
+           py::arg("rows"), py::arg("types"), py::arg("in_features"), py::arg("thresholds"), py::arg("sparse_max_rows"),
+           py::arg("destination"))
+      .def_readonly("runs", &SparseInputProjection::runs)
       .def_readonly("thresholds", &SparseInputProjection::thresholds)
-      .def_readonly("in_features", &SparseInputProjection::in_features)
-      .def_readonly("out_features", &SparseInputProjection::out_features)
+      .def_property_readonly("in_features", &SparseInputProjection::in_features)
+      .def_property_readonly("out_features", &SparseInputProjection::out_features)
       .def_property_readonly("last_selected", &SparseInputProjection::last_selected,
                              "(row, channel) pairs the last call computed");
-  m.attr("SPARSE_COLUMN_BATCH") = COLUMN_BATCH;
+  m.def(
+      "channel_run_bytes",
+      [](const std::vector<int64_t>& types, const std::vector<int64_t>& outputs, int64_t in_features) -> int64_t {
+        try {
+          return run_layout(types, outputs, in_features).bytes();
+        } catch (const std::invalid_argument& e) {
+          throw py::value_error(e.what());
+        }
+      },
+      "bytes of the channel runs of these row matrices (GGML types, outputs) side by side; ValueError where a type "
+      "has no channel-run form",
+      py::arg("types"), py::arg("outputs"), py::arg("in_features"));
 
   py::class_<AttentionSpec>(m, "AttentionSpec", "what decode_attention computes besides plain attention (ops.h)")
       .def(py::init([](int64_t n_head, int64_t n_kv, int64_t rope_dim, bool neox, int64_t window, float scale, float softcap) {

@@ -1,5 +1,5 @@
-// SparseInputProjection (sparse_input.h): the channel selection, the split of the outputs over
-// threads, the prefill path, and the scalar column kernel (CPUs without AVX2);
+// SparseInputProjection (sparse_input.h): the layout built from row blocks, the selection, the split
+// of the blocks over threads, the prefill path, and the scalar kernel (CPUs without AVX2);
 // sparse_input_simd.cpp holds the AVX2 one.
 #include "sparse_input.h"
 
@@ -7,201 +7,242 @@
 
 #include <algorithm>
 #include <cmath>
-
-#include "neuron_kernels.h"
+#include <cstring>
+#include <stdexcept>
 
 namespace powerinfer {
 
-namespace scalar {
-
 namespace {
 
-void axpy_row(const uint8_t* const* recs, const float* c, int n, const ColumnPart& p, int64_t b0, int64_t b1, float* out) {
-  const BlockFormat& f = *p.format;
-  DecodedBlock q;
-  float a[QK_K / QK_SUB], b[QK_K / QK_SUB];
-  for (int64_t blk = b0; blk < b1; ++blk) {
-    float* o = out + blk * f.n;
-    for (int j = 0; j < n; ++j) {
-      if (p.split) {  // w = d q + m, m = -8 d for Q4_0
-        const uint8_t* nibbles = recs[j] + p.nibbles_at(blk);
-        const float d = half_to_float(recs[j] + p.d_at(blk));
-        const float m = f.has_min ? half_to_float(recs[j] + p.m_at(blk)) : -8.0f * d;
-        for (int k = 0; k < QK; ++k) o[k] += c[j] * (d * static_cast<float>(k < 16 ? nibbles[k] & 0x0F : nibbles[k - 16] >> 4) + m);
-        continue;
-      }
-      const uint8_t* block = recs[j] + p.q_off + blk * f.bytes;
-      decode_block(f, block, q);
-      axpy_coefficients(f, block, c[j], a, b);
-      for (int64_t k = 0; k < f.n; ++k) o[k] += a[k / QK_SUB] * q.q[k] + b[k / QK_SUB];
-    }
+// float -> float16 bits, rounded to nearest even (as torch rounds)
+uint16_t half_bits(float v) { return c10::Half(v).x; }
+
+// The weight of output o, channel c of block b, as the form's integer (4-bit: 0..15; Q8: -128..127).
+int q_at(const RunLayout& l, const uint8_t* block, int64_t c, int64_t o) {
+  const uint8_t* run = block + l.run_at(c);
+  if (l.form == RunForm::Q8) return static_cast<int8_t>(run[q8_slot(o)]);
+  const auto [byte, high] = q4_slot(o);
+  return high ? run[byte] >> 4 : run[byte] & 0x0F;
+}
+
+// The rows' values of block b (32 channels) for outputs [0, padded): d, m and q by output, float
+// w = d (q - 8) (Q4), d q + m (Q4_MIN), d q (Q8); into out[c * ld + o].
+void dequantize_block(const RunLayout& l, const uint8_t* block, float* out, int64_t ld) {
+  for (int64_t o = 0; o < l.out_features; ++o) {
+    const float d = half_to_float(block + l.d_at(o));
+    const float m = l.has_min() ? half_to_float(block + l.m_at(o)) : (l.form == RunForm::Q4 ? -8.0f * d : 0.0f);
+    for (int64_t c = 0; c < QK; ++c) out[c * ld + o] = d * static_cast<float>(q_at(l, block, c, o)) + m;
   }
 }
 
 }  // namespace
 
-void axpy_columns(const uint8_t* const* recs, const float* c, int n, int rows, const ColumnPart& p, int64_t b0,
-                  int64_t b1, float* out, int64_t ld) {
-  for (int r = 0; r < rows; ++r) axpy_row(recs, c + r * COLUMN_BATCH, n, p, b0, b1, out + r * ld);
+RunLayout run_layout(const std::vector<int64_t>& types, const std::vector<int64_t>& outputs, int64_t in_features) {
+  if (types.empty() || types.size() != outputs.size()) throw std::invalid_argument("one GGML type and output count per matrix");
+  if (in_features <= 0 || in_features % QK) throw std::invalid_argument("input channels must be whole blocks of 32");
+  bool q4 = false, q8 = false, min = false;
+  int64_t out = 0;
+  for (size_t p = 0; p < types.size(); ++p) {
+    const BlockFormat& f = block_format(types[p]);
+    if (outputs[p] <= 0) throw std::invalid_argument("a matrix needs outputs");
+    if (in_features % f.n) throw std::invalid_argument("input channels are not whole blocks of the type");
+    switch (f.type) {
+      case GgmlType::Q4_0: q4 = true; break;
+      case GgmlType::Q4_1:
+      case GgmlType::Q4_K: q4 = min = true; break;
+      case GgmlType::Q8_0: q8 = true; break;
+      default: throw std::invalid_argument("GGML type " + std::to_string(types[p]) + " has no channel-run form");
+    }
+    out += outputs[p];
+  }
+  if (q4 && q8) throw std::invalid_argument("4-bit and 8-bit matrices do not share a channel-run form");
+  const RunForm form = q8 ? RunForm::Q8 : (min ? RunForm::Q4_MIN : RunForm::Q4);
+  return {form, in_features, out, (out + RUN_GROUP - 1) / RUN_GROUP * RUN_GROUP};
+}
+
+namespace scalar {
+
+void add_runs(const RunLayout& l, const uint8_t* runs, const RowSelection& s, int64_t i0, int64_t i1, float* y) {
+  std::vector<int32_t> acc(l.padded);
+  for (int64_t i = i0; i < i1; ++i) {
+    const uint8_t* block = runs + s.blocks[i] * l.block_bytes();
+    const bool centred = l.form != RunForm::Q8;  // 4-bit sums of k (q - 8), as the AVX2 kernel's
+    std::fill(acc.begin(), acc.end(), centred ? -8 * s.k_sum[i] : 0);
+    for (int32_t j = s.start[i]; j < s.start[i + 1]; ++j)
+      for (int64_t o = 0; o < l.padded; ++o) acc[o] += s.k[j] * q_at(l, block, s.channel[j], o);
+    const float rounded_sum = s.scale[i] * static_cast<float>(s.k_sum[i]);
+    for (int64_t o = 0; o < l.padded; ++o) {
+      const float d = half_to_float(block + l.d_at(o));
+      y[o] = std::fma(static_cast<float>(acc[o]), s.scale[i] * d, y[o]);
+      if (l.has_min()) y[o] = std::fma(rounded_sum, half_to_float(block + l.m_at(o)) + 8.0f * d, y[o]);
+    }
+  }
 }
 
 }  // namespace scalar
 
 namespace {
 
-ColumnKernel column_kernel() {
+RunKernel run_kernel() {
   switch (active_isa()) {
 #ifdef POWERINFER_X86
-    case Isa::AVX512:  // the AVX2 kernel: column accumulation is bound by memory, not by vector width
-    case Isa::AVX2: return avx2::axpy_columns;
+    case Isa::AVX512:  // the AVX2 kernel: reading the runs is bound by memory, not by vector width
+    case Isa::AVX2: return avx2::add_runs;
 #endif
-    default: return scalar::axpy_columns;
+    default: return scalar::add_runs;
   }
 }
 
-// Prefill: columns dequantized per tile of channels of at most this many float32 bytes, which stay
-// in cache for the product (measured, 4096 x 4096 Q4_0, 9 rows, one thread: 16 MiB tiles 27 ms,
-// 1 MiB 13 ms).
+// Prefill: blocks dequantized per tile of at most this many float32 bytes, which stay in cache for
+// the product (measured on the column layout before it, 4096 x 4096 Q4_0, 9 rows, one thread:
+// 16 MiB tiles 27 ms, 1 MiB 13 ms).
 constexpr int64_t TILE_BYTES = 1 << 20;
 
-// The outputs [begin, end) of one task, as a block range per part: blocks [block(begin), block(end)),
-// rounding each bound up to a whole block, so neighbouring tasks share no block and miss none.
-struct OutputRange {
-  int64_t begin, end;
-
-  int64_t block(const ColumnPart& p, int64_t at) const {
-    const int64_t n = p.format->n;
-    return std::clamp<int64_t>((at - p.first_output + n - 1) / n, 0, p.n_blocks);
-  }
-  std::pair<int64_t, int64_t> blocks(const ColumnPart& p) const { return {block(p, begin), block(p, end)}; }
-};
-
-// Outputs per task at least this many: fewer would cost more in thread start than they save.
-constexpr int64_t MIN_TASK_OUTPUTS = 512;
+// Active channels per thread at least this many: fewer cost more in thread start than they save.
+constexpr int64_t MIN_TASK_CHANNELS = 64;
 
 }  // namespace
 
-SparseInputProjection::SparseInputProjection(const torch::Tensor& raw, std::vector<int64_t> types_,
-                                             std::vector<int64_t> part_outputs_, torch::Tensor thresholds_,
-                                             int64_t sparse_max_rows_, torch::Tensor destination)
-    : thresholds(std::move(thresholds_)), types(std::move(types_)), part_outputs(std::move(part_outputs_)),
-      out_features(0), sparse_max_rows(sparse_max_rows_) {
-  TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2, "column records must be uint8 [in, record bytes]");
-  TORCH_CHECK(!types.empty() && types.size() == part_outputs.size(), "one GGML type and output count per part");
-  in_features = raw.size(0);
+SparseInputProjection::SparseInputProjection(const std::vector<torch::Tensor>& rows, const std::vector<int64_t>& types,
+                                             int64_t in_features, torch::Tensor thresholds_, int64_t sparse_max_rows_,
+                                             torch::Tensor destination)
+    : thresholds(std::move(thresholds_)), sparse_max_rows(sparse_max_rows_) {
+  std::vector<int64_t> outputs;
+  for (const auto& r : rows) {
+    TORCH_CHECK(r.dtype() == torch::kUInt8 && r.dim() == 2, "matrix rows must be uint8 [outputs, row bytes]");
+    outputs.push_back(r.size(0));
+  }
+  try {
+    layout = run_layout(types, outputs, in_features);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, e.what());
+  }
   TORCH_CHECK(thresholds.dtype() == torch::kFloat32 && thresholds.dim() == 1 && thresholds.is_contiguous() &&
                   thresholds.size(0) == in_features,
               "thresholds must be contiguous float32 [", in_features, "]");
-  int64_t offset = 0;
-  for (size_t p = 0; p < types.size(); ++p) {
+  TORCH_CHECK(destination.dtype() == torch::kUInt8 && destination.dim() == 1 && destination.is_contiguous() &&
+                  destination.size(0) == layout.bytes(),
+              "the destination of the runs must be contiguous uint8 [", layout.bytes(), "]");
+  for (size_t p = 0; p < rows.size(); ++p) {
     const BlockFormat& f = block_format(types[p]);
-    TORCH_CHECK(part_outputs[p] > 0 && part_outputs[p] % f.n == 0, "part ", p, ": ", part_outputs[p],
-                " outputs are not whole blocks of ", f.n);
-    const int64_t n_blocks = part_outputs[p] / f.n;
-    const bool split = f.type == GgmlType::Q4_0 || f.type == GgmlType::Q4_1;
-    parts_.push_back({&f, split, offset, n_blocks, out_features});
-    offset += n_blocks * f.bytes;
-    out_features += part_outputs[p];
+    TORCH_CHECK(rows[p].size(1) == in_features / f.n * f.bytes, "matrix ", p, ": rows of ", rows[p].size(1),
+                " bytes are not ", in_features, " values of its type");
   }
-  TORCH_CHECK(offset == raw.size(1), "these parts take ", offset, " bytes per channel, the records hold ", raw.size(1));
-  TORCH_CHECK(destination.dtype() == torch::kUInt8 && destination.sizes() == raw.sizes() && destination.is_contiguous(),
-              "the destination of the records must be contiguous uint8 of the records' shape");
-  records = std::move(destination);
-  const auto source = raw.contiguous();
-  at::parallel_for(0, in_features, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const uint8_t* from = source.data_ptr<uint8_t>() + i * offset;
-      uint8_t* to = records.data_ptr<uint8_t>() + i * offset;
-      for (const ColumnPart& p : parts_) {
-        const uint8_t* blocks = from + p.q_off;
-        if (!p.split) {
-          std::memcpy(to + p.q_off, blocks, p.bytes());
-          continue;
-        }
-        const bool min = p.format->has_min;
-        for (int64_t b = 0; b < p.n_blocks; ++b) {  // a block: d, (m,) 16 bytes of nibbles
-          const uint8_t* block = blocks + b * p.format->bytes;
-          std::memcpy(to + p.d_at(b), block, 2);
-          if (min) std::memcpy(to + p.m_at(b), block + 2, 2);
-          std::memcpy(to + p.nibbles_at(b), block + (min ? 4 : 2), 16);
+  runs = std::move(destination);
+  runs.zero_();  // the padding outputs
+  const RunLayout l = layout;
+  uint8_t* base = runs.data_ptr<uint8_t>();
+  int64_t first = 0;
+  for (size_t p = 0; p < rows.size(); ++p) {
+    const BlockFormat& f = block_format(types[p]);
+    const auto source = rows[p].contiguous();
+    const uint8_t* src = source.data_ptr<uint8_t>();
+    const int64_t row_bytes = source.size(1), per_block = f.n / QK;
+    // threads split the file's blocks along the inputs: two outputs may share a byte of a run
+    at::parallel_for(0, in_features / f.n, 1, [&](int64_t fb0, int64_t fb1) {
+      DecodedBlock q;
+      for (int64_t fb = fb0; fb < fb1; ++fb) {
+        for (int64_t r = 0; r < source.size(0); ++r) {
+          const int64_t o = first + r;
+          decode_block(f, src + r * row_bytes + fb * f.bytes, q);
+          const float file_d = half_to_float(reinterpret_cast<const uint8_t*>(&q.d));
+          const float file_m = half_to_float(reinterpret_cast<const uint8_t*>(&q.dmin));
+          for (int64_t sub = 0; sub < per_block; ++sub) {  // K-quants: a 32-value sub-block per block of runs
+            uint8_t* block = base + (fb * per_block + sub) * l.block_bytes();
+            const float d = file_d * (f.sub_scales ? q.sc[sub] : 1);
+            const float m = f.has_min ? file_m * (f.sub_scales ? q.mn[sub] : 1) : -8.0f * d;  // Q4_0 beside m: d q - 8 d
+            const uint16_t dh = f.sub_scales ? half_bits(d) : q.d;  // the file's own bits where unscaled
+            std::memcpy(block + l.d_at(o), &dh, 2);
+            if (l.has_min()) {
+              const uint16_t mh = f.has_min && !f.sub_scales ? q.dmin : half_bits(m);
+              std::memcpy(block + l.m_at(o), &mh, 2);
+            }
+            for (int64_t c = 0; c < QK; ++c) {
+              uint8_t* run = block + l.run_at(c);
+              const int v = q.q[sub * QK + c];
+              if (l.form == RunForm::Q8) {
+                run[q8_slot(o)] = static_cast<uint8_t>(v - 128);
+              } else {
+                const auto [byte, high] = q4_slot(o);
+                run[byte] = static_cast<uint8_t>(high ? (run[byte] & 0x0F) | (v << 4) : (run[byte] & 0xF0) | v);
+              }
+            }
+          }
         }
       }
-    }
-  });
+    });
+    first += source.size(0);
+  }
 }
 
 torch::Tensor SparseInputProjection::operator()(const torch::Tensor& x) const {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "x must be [rows, ", in_features, "]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features(), "x must be [rows, ", in_features(), "]");
   const auto xf = x.to(torch::kFloat32).contiguous();
-  return xf.size(0) <= sparse_max_rows ? sparse_rows(xf) : all_channels(xf);
-}
-
-torch::Tensor SparseInputProjection::sparse_rows(const torch::Tensor& x) const {
-  const int64_t M = x.size(0), K = in_features, stride = records.size(1);
-  const float* xs = x.data_ptr<float>();
-  const float* limit = thresholds.data_ptr<float>();
-  // per group of channels: those some row selects, and each row's coefficients for them (0: skipped)
-  std::vector<int32_t> ids;
-  std::vector<int64_t> group_end;  // ids[group_end[g - 1] .. group_end[g])
-  std::vector<float> coefficients;  // per group: [M][COLUMN_BATCH]
+  if (xf.size(0) > sparse_max_rows) return all_channels(xf);
+  auto y = torch::empty({xf.size(0), out_features()}, xf.options());
   int64_t selected = 0;
-  for (int64_t g0 = 0; g0 < K; g0 += COLUMN_BATCH) {
-    const size_t first = ids.size(), c0 = coefficients.size();
-    coefficients.resize(c0 + M * COLUMN_BATCH, 0.0f);
-    for (int64_t i = g0; i < std::min(K, g0 + COLUMN_BATCH); ++i) {
-      const int64_t j = static_cast<int64_t>(ids.size() - first);
-      bool any = false;
-      for (int64_t m = 0; m < M; ++m) {
-        const float v = xs[m * K + i];
-        if (std::fabs(v) <= limit[i]) continue;
-        coefficients[c0 + m * COLUMN_BATCH + j] = v;
-        any = true;
-        ++selected;
-      }
-      if (any) ids.push_back(static_cast<int32_t>(i));
-    }
-    if (ids.size() == first) coefficients.resize(c0);
-    else group_end.push_back(static_cast<int64_t>(ids.size()));
+  for (int64_t r = 0; r < xf.size(0); ++r) {
+    const float* row = xf.data_ptr<float>() + r * in_features();
+    sparse_row(row, y.data_ptr<float>() + r * out_features());
+    const float* limit = thresholds.data_ptr<float>();
+    for (int64_t i = 0; i < in_features(); ++i) selected += std::fabs(row[i]) > limit[i];
   }
   selected_.store(selected, std::memory_order_relaxed);
+  return y;
+}
 
-  auto y = torch::zeros({M, out_features}, x.options());
-  float* out = y.data_ptr<float>();
-  const uint8_t* base = records.data_ptr<uint8_t>();
-  const ColumnKernel kernel = column_kernel();
-  const int64_t groups = static_cast<int64_t>(group_end.size());
-  const int64_t tasks = std::clamp<int64_t>(out_features / MIN_TASK_OUTPUTS, 1, at::get_num_threads());
-  at::parallel_for(0, tasks, 1, [&](int64_t first_task, int64_t end_task) {
-    for (int64_t t = first_task; t < end_task; ++t) {
-      const OutputRange range{out_features * t / tasks, out_features * (t + 1) / tasks};
-      // the first bytes of this task's part of column i, into L2 ahead of use (the order of the
-      // columns is the data's, which hardware prefetchers cannot follow); split kernels fetch the
-      // rest of a column ahead of themselves
-      const auto prefetch_column = [&](int32_t i) {
-        const uint8_t* record = base + i * stride;
-        for (const ColumnPart& p : parts_) {
-          const auto [b0, b1] = range.blocks(p);
-          if (b0 >= b1) continue;
-          const int64_t ahead = p.split ? std::min(b1 - b0, SPLIT_PREFETCH_BLOCKS) : b1 - b0;
-          prefetch(record + (p.split ? p.chunk_start(b0) : p.q_off + b0 * p.format->bytes), ahead * p.format->bytes);
-        }
+RowSelection SparseInputProjection::select(const float* x) const {
+  const float* limit = thresholds.data_ptr<float>();
+  RowSelection s;
+  s.start.push_back(0);
+  for (int64_t b = 0; b < layout.blocks(); ++b) {
+    const float* xb = x + b * QK;
+    float largest = 0.0f;
+    for (int c = 0; c < QK; ++c)
+      if (std::fabs(xb[c]) > limit[b * QK + c]) largest = std::max(largest, std::fabs(xb[c]));
+    if (largest == 0.0f) continue;  // nothing active (or only zeros: nothing to add)
+    const float scale = largest / 127.0f, inverse = 1.0f / scale;
+    int32_t sum = 0;
+    for (int c = 0; c < QK; ++c) {
+      if (!(std::fabs(xb[c]) > limit[b * QK + c])) continue;
+      const int k = static_cast<int>(std::nearbyint(xb[c] * inverse));
+      if (k == 0) continue;  // rounds to nothing: its run would add 0
+      s.channel.push_back(static_cast<uint8_t>(c));
+      s.k.push_back(static_cast<int8_t>(k));
+      sum += k;
+    }
+    if (s.active() == s.start.back()) continue;
+    s.blocks.push_back(static_cast<int32_t>(b));
+    s.start.push_back(static_cast<int32_t>(s.active()));
+    s.scale.push_back(scale);
+    s.k_sum.push_back(sum);
+  }
+  return s;
+}
+
+void SparseInputProjection::sparse_row(const float* x, float* y) const {
+  const RowSelection s = select(x);
+  const int64_t n_blocks = static_cast<int64_t>(s.blocks.size());
+  const int64_t tasks = std::clamp<int64_t>(s.active() / MIN_TASK_CHANNELS, 1, at::get_num_threads());
+  // per task its own sums over a range of blocks of about equal active channels, then added
+  auto partial = torch::zeros({tasks, layout.padded}, torch::kFloat32);
+  float* sums = partial.data_ptr<float>();
+  const uint8_t* base = runs.data_ptr<uint8_t>();
+  const RunKernel kernel = run_kernel();
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const auto first_block = [&](int64_t task) {
+        return static_cast<int64_t>(std::lower_bound(s.start.begin(), s.start.end() - 1, s.active() * task / tasks) - s.start.begin());
       };
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t j0 = g ? group_end[g - 1] : 0, j1 = group_end[g];
-        if (g + 1 < groups)
-          for (int64_t j = j1; j < group_end[g + 1]; ++j) prefetch_column(ids[j]);
-        const uint8_t* recs[COLUMN_BATCH];
-        for (int64_t j = j0; j < j1; ++j) recs[j - j0] = base + ids[j] * stride;
-        for (const ColumnPart& p : parts_) {
-          const auto [b0, b1] = range.blocks(p);
-          if (b0 < b1)
-            kernel(recs, coefficients.data() + g * M * COLUMN_BATCH, static_cast<int>(j1 - j0), static_cast<int>(M), p, b0,
-                   b1, out + p.first_output, out_features);
-        }
-      }
+      const int64_t i0 = first_block(t), i1 = t + 1 == tasks ? n_blocks : first_block(t + 1);
+      kernel(layout, base, s, i0, i1, sums + t * layout.padded);
     }
   });
-  return y;
+  for (int64_t o = 0; o < out_features(); ++o) {
+    float v = 0.0f;
+    for (int64_t t = 0; t < tasks; ++t) v += sums[t * layout.padded + o];
+    y[o] = v;
+  }
 }
 
 torch::Tensor SparseInputProjection::all_channels(const torch::Tensor& x_all) const {
@@ -209,34 +250,18 @@ torch::Tensor SparseInputProjection::all_channels(const torch::Tensor& x_all) co
   const auto active = x_all.abs() > thresholds;
   selected_.store(active.sum().item<int64_t>(), std::memory_order_relaxed);
   const auto x = x_all * active;
-  const int64_t stride = records.size(1);
-  const int64_t tile_rows = std::clamp<int64_t>(TILE_BYTES / (4 * out_features), 1, in_features);
-  auto y = torch::zeros({x.size(0), out_features}, x.options());
-  auto tile = torch::empty({tile_rows, out_features}, x.options());
-  const uint8_t* base = records.data_ptr<uint8_t>();
-  float* columns = tile.data_ptr<float>();
-  const ColumnKernel kernel = column_kernel();
-  const float one = 1.0f;
-  for (int64_t i0 = 0; i0 < in_features; i0 += tile_rows) {
-    const int64_t n = std::min(tile_rows, in_features - i0);
+  const int64_t out = out_features();
+  const int64_t tile_blocks = std::clamp<int64_t>(TILE_BYTES / (4 * QK * out), 1, layout.blocks());
+  auto y = torch::zeros({x.size(0), out}, x.options());
+  auto tile = torch::empty({tile_blocks * QK, out}, x.options());
+  const uint8_t* base = runs.data_ptr<uint8_t>();
+  for (int64_t b0 = 0; b0 < layout.blocks(); b0 += tile_blocks) {
+    const int64_t n = std::min(tile_blocks, layout.blocks() - b0);
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        float* row = columns + i * out_features;
-        const uint8_t* record = base + (i0 + i) * stride;
-        for (const ColumnPart& p : parts_) {
-          float* values = row + p.first_output;
-#ifdef POWERINFER_X86
-          if (p.split && active_isa() != Isa::SCALAR) {  // the values themselves: no coefficients to round
-            avx2::dequantize_split(record, p, values);
-            continue;
-          }
-#endif
-          std::fill(values, values + p.n_blocks * p.format->n, 0.0f);
-          kernel(&record, &one, 1, 1, p, 0, p.n_blocks, values, 0);
-        }
-      }
+      for (int64_t b = begin; b < end; ++b)
+        dequantize_block(layout, base + (b0 + b) * layout.block_bytes(), tile.data_ptr<float>() + b * QK * out, out);
     });
-    y.addmm_(x.narrow(1, i0, n), tile.narrow(0, 0, n));
+    y.addmm_(x.narrow(1, b0 * QK, n * QK), tile.narrow(0, 0, n * QK));
   }
   return y;
 }

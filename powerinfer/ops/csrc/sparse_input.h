@@ -1,35 +1,36 @@
 // Input-sparse linear layers (TEAL-style activation sparsity): y = x @ W.T where, per row of x,
 // the input channels with |x_i| <= threshold_i are skipped and their weights never read.
 //
-// Layout. W [out, in] is kept by columns: record i (row i of a uint8 tensor [in, record_bytes]) holds
-// column W[:, i], built from the raw GGML blocks of the transposed weight (a GGUF tensor whose row i
-// is column i of W). A fused projection (q, k and v) puts several such rows side by side in a record,
-// one "part" per matrix, each in its own block type, its outputs following the previous part's.
-// Q4_0 and Q4_1 parts are repacked when the projection is built, without loss and at the same size,
-// in chunks of SPLIT_CHUNK blocks: the chunk's float16 d, then (Q4_1) its m, then its nibbles. The
-// kernel reads 8 blocks' scales with one load, and a column is one stream of bytes (scales kept
-// apart, as first built, doubled the streams that the hardware prefetchers follow: 8 blocks per
-// chunk measured +25 % on the 4096 -> 22016 linear at 50 %). Other types keep the file's blocks.
+// Layout ("channel runs"), built at load from the file's own row blocks, without re-quantization:
+// per block of 32 input channels (the row blocks' unit), the block's scales for every output
+// (float16 d, then m where the form has one), then each of the 32 channels' weights for every
+// output, contiguous: a channel's run. A skipped channel is one run never read. Runs must be long:
+// on the CPUs measured, reading half of a memory's 1-2 KB pieces took as long as reading all of it,
+// 4 KB pieces and more took half (the hardware prefetchers fetch whole pages' neighbours); so a run
+// holds all outputs of the projection (q, k and v side by side, gate and up side by side), and the
+// threads split the input blocks, not the outputs.
+//   Forms: Q4 (Q4_0 rows: 4-bit q, w = d (q - 8)); Q4_MIN (Q4_1 and Q4_K rows, and Q4_0 beside them:
+//   w = d q + m; Q4_K's d times its sub-block scale and dmin times its minimum rounded to float16);
+//   Q8 (Q8_0 rows: int8 q, w = d q).
+//   Outputs are padded to a multiple of RUN_GROUP (zero weights). Within a run, each 64 outputs of a
+//   4-bit form are 32 bytes and each 64 outputs of Q8 are 64 bytes, ordered so that the AVX2 kernel's
+//   multiply-adds leave the sums in output order (q4_slot, q8_slot say where output o lies).
 //
-// Arithmetic (sparse path, a few rows): y[o] = sum over the row's active channels i of x_i w[o, i].
-// The channels go in fixed groups of COLUMN_BATCH (i / COLUMN_BATCH), each adding to y once: the
-// columns active in any row of the call are read once, and each row multiplies them by its own x_i,
-// or by 0 where it skips channel i (which changes no bit of its sums).
-//   AVX2, Q4_0 and Q4_1: per block of 32 outputs, the batch's coefficients x_i d_i are rounded to
-//   int8 on one scale (their largest over 127, as the dense AVX2 kernel rounds x per 32 inputs),
-//   the 4-bit weights less 8 multiply them in int16 (exact: 16 columns of 15 * 127 fit), and the sum
-//   meets the scale once in float32; Q4_1 adds c_i (m_i + 8 d_i) in float32. Everything else, and the
-//   scalar path: float32 x_i times the dequantized weight, in float32.
-// A row's sums depend on its own selection only, and threads split the outputs (never the channels),
-// so a row's result is the same bits whatever rows, threads or selections share the call.
-// Many rows (prefill): each row's skipped channels set to 0, then every column dequantized a tile at a
-// time to float32 and multiplied by torch's matrix product (the records stay the only copy of the
-// weights): the same selection as the sparse path, so logits do not depend on how rows are batched.
+// Arithmetic (as the dense row kernels): x rounded to int8 per block of 32 inputs on the block's
+// largest active |x| (what llama.cpp's Q8 rounding of the masked x gives), the weights' integers
+// times those int8 in integers per block (4-bit: int16, exact: 32 * 8 * 127 fits; Q8: int32), one
+// float multiply by d * scale per output and block, plus (m + 8 d) times the block's rounded x sum
+// for Q4_MIN. The scalar path does the same integer arithmetic.
+// Threads split the active blocks into ranges of about equal work, each summing its own outputs, which
+// are then added: a row's result does not depend on other rows; it may differ in the last bits
+// with the number of threads.
+// Many rows (prefill): each row's skipped channels set to 0, the runs dequantized to float32 a tile
+// of blocks at a time and multiplied by torch's matrix product (the runs stay the only copy).
 // Plain-torch reference: powerinfer/sparse/columns.py.
 #pragma once
 
-#include <algorithm>
 #include <atomic>
+#include <utility>
 #include <vector>
 
 #include "ggml_blocks.h"
@@ -37,75 +38,91 @@
 
 namespace powerinfer {
 
-// Channels per group: columns added to the outputs in one pass (loads and stores of y shared; at
-// 50 % skipped about 8 of them active).
-constexpr int COLUMN_BATCH = 16;
-static_assert(COLUMN_BATCH * 15 * 127 <= 32767, "int16 sums of 4-bit weights times int8 coefficients");
+enum class RunForm : int { Q4 = 0, Q4_MIN = 1, Q8 = 2 };
 
-// Blocks per chunk of a split (Q4_0, Q4_1) part; the last chunk of a part may hold fewer.
-constexpr int64_t SPLIT_CHUNK = 8;
-// Blocks of a split column fetched ahead of use: the kernel this far ahead of itself, the caller the
-// next group's first ones (2 and 4 chunks measured alike, 8 slower; a whole column's range at
-// once was slower than none on the 11008 -> 4096 linear).
-constexpr int64_t SPLIT_PREFETCH_BLOCKS = 4 * SPLIT_CHUNK;
+// Outputs per step of the kernels (what their registers hold); runs are padded to a multiple.
+constexpr int64_t RUN_GROUP = 128;
 
-// One matrix of a record: its outputs' blocks of `format`, from byte q_off. Split parts in chunks
-// (above): chunk c starts at q_off + c * SPLIT_CHUNK * format->bytes (a block's bytes either way).
-struct ColumnPart {
-  const BlockFormat* format;
-  bool split;
-  int64_t q_off, n_blocks, first_output;
-  int64_t bytes() const { return n_blocks * format->bytes; }
+// Where output o lies in a 4-bit run: its byte, and whether it is that byte's high nibble.
+// Each 64 outputs take 32 bytes: byte 2j holds outputs j (low) and 32 + j (high), byte 2j + 1
+// outputs 16 + j and 48 + j (j < 16).
+inline std::pair<int64_t, bool> q4_slot(int64_t o) {
+  const int64_t r = o % 64, j = r % 32;
+  return {o / 64 * 32 + (j < 16 ? 2 * j : 2 * (j - 16) + 1), r >= 32};
+}
 
-  // split parts: where block b's chunk starts, how many blocks it holds, and b's d, m and nibbles
-  int64_t chunk_start(int64_t b) const { return q_off + b / SPLIT_CHUNK * SPLIT_CHUNK * format->bytes; }
-  int64_t chunk_blocks(int64_t b) const { return std::min(SPLIT_CHUNK, n_blocks - b / SPLIT_CHUNK * SPLIT_CHUNK); }
-  int64_t d_at(int64_t b) const { return chunk_start(b) + 2 * (b % SPLIT_CHUNK); }
-  int64_t m_at(int64_t b) const { return d_at(b) + 2 * chunk_blocks(b); }
-  int64_t nibbles_at(int64_t b) const {
-    return chunk_start(b) + (format->has_min ? 4 : 2) * chunk_blocks(b) + 16 * (b % SPLIT_CHUNK);
-  }
+// The byte of output o in a Q8 run: each 16 outputs take 16 bytes, byte 2j output j, byte 2j + 1
+// output 8 + j (j < 8).
+inline int64_t q8_slot(int64_t o) {
+  const int64_t w = o % 16;
+  return o / 16 * 16 + (w < 8 ? 2 * w : 2 * (w - 8) + 1);
+}
+
+struct RunLayout {
+  RunForm form;
+  int64_t in_features, out_features, padded;
+
+  int64_t blocks() const { return in_features / QK; }
+  bool has_min() const { return form == RunForm::Q4_MIN; }
+  int64_t scale_bytes() const { return padded * (has_min() ? 4 : 2); }
+  int64_t run_bytes() const { return form == RunForm::Q8 ? padded : padded / 2; }
+  int64_t block_bytes() const { return scale_bytes() + QK * run_bytes(); }
+  int64_t bytes() const { return blocks() * block_bytes(); }
+  // within block b (from its start): d of output o, its m, and channel c's run
+  int64_t d_at(int64_t o) const { return 2 * o; }
+  int64_t m_at(int64_t o) const { return 2 * padded + 2 * o; }
+  int64_t run_at(int64_t c) const { return scale_bytes() + c * run_bytes(); }
 };
 
-// For rows r: out[r * ld + b * N + k] += sum_j c[r * COLUMN_BATCH + j] * value k of block b of the
-// part in record j, for blocks b in [b0, b1) (recs[j]: record j; out: the part's first output; N:
-// the block's values), n <= COLUMN_BATCH.
-using ColumnKernel = void (*)(const uint8_t* const* recs, const float* c, int n, int rows, const ColumnPart& p,
-                              int64_t b0, int64_t b1, float* out, int64_t ld);
+// The layout of these row matrices (GGML types, outputs), side by side; throws std::invalid_argument
+// where a type has no form here (then the layer stays by rows).
+RunLayout run_layout(const std::vector<int64_t>& types, const std::vector<int64_t>& outputs, int64_t in_features);
+
+// One row's selection: per block with an active channel, its channels, their x rounded to int8 on the
+// block's scale, and the sum of those (rounded) values.
+struct RowSelection {
+  std::vector<int32_t> blocks, start;  // channels of blocks[i]: [start[i], start[i + 1])
+  std::vector<uint8_t> channel;        // within its block
+  std::vector<int8_t> k;
+  std::vector<float> scale;
+  std::vector<int32_t> k_sum;
+  int64_t active() const { return static_cast<int64_t>(channel.size()); }
+};
+
+// Adds blocks [i0, i1) of `s` into y (float32, `padded` outputs) from the runs at `runs`.
+using RunKernel = void (*)(const RunLayout& layout, const uint8_t* runs, const RowSelection& s, int64_t i0, int64_t i1,
+                           float* y);
 
 namespace scalar {
-void axpy_columns(const uint8_t* const* recs, const float* c, int n, int rows, const ColumnPart& p, int64_t b0,
-                  int64_t b1, float* out, int64_t ld);
+void add_runs(const RunLayout& layout, const uint8_t* runs, const RowSelection& s, int64_t i0, int64_t i1, float* y);
 }
 namespace avx2 {
-void axpy_columns(const uint8_t* const* recs, const float* c, int n, int rows, const ColumnPart& p, int64_t b0,
-                  int64_t b1, float* out, int64_t ld);
-// out[k] = value k of a split (Q4_0, Q4_1) part of record `rec`, float32 (the prefill path's tiles)
-void dequantize_split(const uint8_t* rec, const ColumnPart& p, float* out);
+void add_runs(const RunLayout& layout, const uint8_t* runs, const RowSelection& s, int64_t i0, int64_t i1, float* y);
 }
 
 struct SparseInputProjection : Projection {
-  torch::Tensor records;     // uint8 [in, record_bytes], Q4_0 and Q4_1 parts in chunks (above)
+  torch::Tensor runs;        // uint8 [layout.bytes()]
   torch::Tensor thresholds;  // float32 [in]: channel i is active in a row where |x_i| > thresholds[i]
-  std::vector<int64_t> types, part_outputs;
-  int64_t in_features, out_features;
-  int64_t sparse_max_rows;  // calls with more rows take the prefill path (all columns read)
+  RunLayout layout;
+  int64_t sparse_max_rows;  // calls with more rows take the prefill path (all channels read)
 
-  // raw_records: per channel, its column of each part as raw GGML blocks; types, part_outputs: per
-  // part, its GGML type and its number of outputs (a multiple of the type's block); destination:
-  // where the repacked records go (the caller's memory, e.g. on huge pages), the raw records' shape.
-  SparseInputProjection(const torch::Tensor& raw_records, std::vector<int64_t> types, std::vector<int64_t> part_outputs,
+  // rows: per matrix, its raw GGML rows uint8 [outputs, row bytes]; types: their GGML types;
+  // destination: where the runs go (the caller's memory, e.g. on huge pages), uint8 of
+  // run_layout(...).bytes().
+  SparseInputProjection(const std::vector<torch::Tensor>& rows, const std::vector<int64_t>& types, int64_t in_features,
                         torch::Tensor thresholds, int64_t sparse_max_rows, torch::Tensor destination);
   torch::Tensor operator()(const torch::Tensor& x) const override;
 
+  int64_t in_features() const { return layout.in_features; }
+  int64_t out_features() const { return layout.out_features; }
   // (row, channel) pairs the last call selected.
   int64_t last_selected() const { return selected_.load(std::memory_order_relaxed); }
 
  private:
-  std::vector<ColumnPart> parts_;
   mutable std::atomic<int64_t> selected_{0};
 
-  torch::Tensor sparse_rows(const torch::Tensor& x) const;
+  RowSelection select(const float* x) const;
+  void sparse_row(const float* x, float* y) const;
   torch::Tensor all_channels(const torch::Tensor& x) const;
 };
 
