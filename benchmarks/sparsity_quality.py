@@ -3,12 +3,12 @@ sparsified files themselves.
 
 For each model: one calibration on wikitext-2 valid.txt only, with `powerinfer sparsify`'s defaults
 (`calibration_of`); from it, for each allocation method and target, the file `sparsify` writes
-(`write_sparsified` with `all_sites`: every skipping site's columns re-quantized into a block type,
-thresholds per site, whatever this CPU's timings say pays), and
+(`write_sparsified` with `all_sites`: the source's tensors and thresholds for every skipping site,
+whatever this CPU's timings say pays), and
 the file at sparsify's default operating point (its default target: the largest sparsity within
 DEFAULT_MAX_PPL_INCREASE of the dense perplexity on the calibration text). Each file's perplexity
 on test.txt (llama.cpp's method, c=512) is measured through the engine, `LLM(file)` with
-`sparsity="auto"`: what decode computes, column re-quantization included. The dense row is the
+`sparsity="auto"`: what decode computes (the channel runs hold the source's own weights). The dense row is the
 source file itself. The measured sparsity is the share of the block linears' weights each token
 skipped on the test text (a site whose share does not pay stays dense and counts as 0).
 
@@ -20,7 +20,7 @@ The sparsified files are kept in ~/.cache/powerinfer/bench/sparse/, named by the
 digest of the calibration's inputs (source name and size, calibration text, token count), method
 and target, and reused when present (clear the folder after a change to sparsify's output).
 `--speed`: also decode tok/s (greedy single-token steps after a short prompt, median of `--reps`
-runs after a warm-up) and the weight bytes read per token (the sparse linears' selected columns,
+runs after a warm-up) and the weight bytes read per token (the sparse linears' selected channels,
 the other linears and the output head whole), one file loaded at a time.
 Writes benchmarks/results/sparsity_quality.md and benchmarks/results/sparsity_quality.png (`-o`, `--plot`).
 """
@@ -78,7 +78,6 @@ class Row:
     method: str
     target: float | None
     path: Callable[[], Path]
-    engine_sparsity: str = "auto"  # the LLM's `sparsity`: "off" runs a sparsified file's columns dense
     ppl: float = 0.0
     error: float = 0.0
     sparsity: float = 0.0
@@ -92,7 +91,7 @@ class Calibrated:
     def __init__(self, source: Path, threads: int):
         self.source, self.threads = source, threads
         self.text = wikitext("valid.txt")
-        # "all-sites": every skipping site stored by columns (sparsify's all_sites), whatever this CPU's
+        # "all-sites": every skipping site given its thresholds (sparsify's all_sites), whatever this CPU's
         # timings say pays, so that the figures are the allocation's on any machine
         inputs = (f"all-sites {source.name} {source.stat().st_size} {DEFAULT_TOKENS} "
                   f"{hashlib.sha256(self.text.encode()).hexdigest()}")
@@ -124,10 +123,10 @@ def target_of(path: Path) -> float:
 
 class SelectionCounter:
     """Logits of a file through the engine (one forward per chunk), counting after each forward the
-    channels each column layout selected: the model-wide share of block-linear weights skipped."""
+    channels each sparse linear selected: the model-wide share of block-linear weights skipped."""
 
-    def __init__(self, path: Path, threads: int, sparsity: str):
-        self.llm = LLM(str(path), n_ctx=N_CTX, n_batch=N_CTX, threads=threads, sparsity=sparsity)
+    def __init__(self, path: Path, threads: int):
+        self.llm = LLM(str(path), n_ctx=N_CTX, n_batch=N_CTX, threads=threads)
         self.sites = model_sites(self.llm.model)
         self.total_weights = sum(s.weight_count for s in self.sites)
         self.skipped = self.rows = 0.0
@@ -151,7 +150,7 @@ def measure_ppl(row: Row, chunks: list[list[int]], key: str, args) -> None:
     counter: list[SelectionCounter] = []
 
     def logits_of():
-        counter.append(SelectionCounter(row.path(), args.threads, row.engine_sparsity))
+        counter.append(SelectionCounter(row.path(), args.threads))
         return counter[0]
 
     def extra() -> dict:
@@ -164,7 +163,7 @@ def measure_ppl(row: Row, chunks: list[list[int]], key: str, args) -> None:
 
 
 def measure_speed(row: Row, args) -> None:
-    llm = LLM(str(row.path()), threads=args.threads, sparsity=row.engine_sparsity)
+    llm = LLM(str(row.path()), threads=args.threads)
     prompt = llm.tokenize(SPEED_PROMPT)
     rates = [decode_rate(llm, prompt, args.n_gen) for _ in range(args.reps + 1)][1:]  # the first warms up
     row.speed = {"tok_s": statistics.median(rates), "bytes": bytes_per_token(llm, prompt, args.n_gen)}
@@ -184,10 +183,6 @@ def measure_model(name: str, n_chunks: int, args) -> tuple[str, list[Row]]:
     if args.default_point:
         rows.append((Row(f"default (blockwise, ≤ {DEFAULT_MAX_PPL_INCREASE}x PPL on valid)", "default", None,
                          partial(calibrated.file, "blockwise", None)), f"{source.stem} {calibrated.digest} default"))
-        # the same file with every channel read: what the columns' re-quantization alone costs
-        rows.append((Row("default file, sparsity off (re-quantization alone)", "requantized", None,
-                         partial(calibrated.file, "blockwise", None), "off"),
-                     f"{source.stem} {calibrated.digest} default sparsity off"))
     for target in args.targets:
         for method in args.methods:
             rows.append((Row(f"{method} {target:.0%}", method, target, partial(calibrated.file, method, target)),
@@ -198,7 +193,7 @@ def measure_model(name: str, n_chunks: int, args) -> tuple[str, list[Row]]:
         measure_ppl(row, test, key, args)
         if args.speed:
             measure_speed(row, args)
-    shown = ("dense", *METHODS, "default", "requantized")
+    shown = ("dense", *METHODS, "default")
     rows.sort(key=lambda r: (shown.index(r[0].method), r[0].target))
     return f"{source.name} ({len(test)} chunks)", [row for row, _ in rows]
 
@@ -211,19 +206,18 @@ def write_results(results: dict[str, list[Row]], args, output: Path) -> None:
         f"{datetime.date.today()} · {machine_description()} · `benchmarks/sparsity_quality.py` · wikitext-2 test.txt, "
         f"c={N_CTX} · calibrated once per model on valid.txt only (sparsify's defaults: {DEFAULT_TOKENS} tokens, "
         "WINA criterion) · each row is the file `powerinfer sparsify` writes, run by the engine (`LLM(file)`, "
-        "sparsity auto): **the columns' re-quantization is counted**",
+        "sparsity auto)",
         "",
         f"Command: `.venv/bin/python benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}`",
         "",
         "Target: the model-wide sparsity asked for (default row: the one sparsify chose). Sparsity: measured on "
-        "the test text, the share of the block linears' weights not read per token (sites whose share does not "
-        "pay are stored dense and count as read).",
+        "the test text, the share of the block linears' weights not read per token.",
         "",
     ]
     if speed:
         lines += [f"Decode: {args.threads} threads, {args.n_gen} greedy tokens after a short prompt, median of "
                   f"{args.reps} runs after a warm-up, one file at a time. MB/token: the block linears' selected "
-                  "columns and other weights plus the output head, mean over the decoded tokens.", ""]
+                  "channels and other weights plus the output head, mean over the decoded tokens.", ""]
     for model, rows in results.items():
         base = rows[0]
         header = "| row | method | target | sparsity | PPL | ± | × dense |"

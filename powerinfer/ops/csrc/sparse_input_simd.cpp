@@ -1,7 +1,7 @@
 // The AVX2 kernel of SparseInputProjection (sparse_input.h). Per active block of 32 inputs:
 //   4-bit forms: per chunk of outputs, the int16 sums of all outputs stay in L1 while the active
-//   channels' pieces of run stream past, two channels at a time, each piece fetched whole ahead of
-//   use (a run's next piece is the data's choice, which hardware prefetchers cannot follow);
+//   channels' pieces of run stream past, two channels at a time (the hardware prefetchers follow
+//   a run, and adjacent runs; the start of a run after a skipped one is fetched ahead);
 //   `_mm256_maddubs_epi16` multiplies the unsigned nibbles by [k, 0] and [0, k] byte pairs: the even
 //   and the odd bytes' outputs, which the layout's order (q4_slot) makes the next 16 outputs each.
 //   Q8: per step of 64 outputs, eight int32 vectors in registers, each run's line a few steps
@@ -61,11 +61,16 @@ inline void prefetch_q8_step(const RunLayout& l, const uint8_t* runs, const RowS
 }
 
 // Outputs per chunk of the 4-bit kernel: their int16 sums (16 KB) stay in L1 while each active
-// channel's piece of run (4 KB: a page, the least that skipping saves whole) streams past.
+// channel's piece of run (4 KB: a page, the least that skipping saves whole) streams past (a whole
+// run per chunk, its sums in L2, measured alike).
 constexpr int64_t CHUNK = 8192;
 
-// The piece of run the kernel reads next, all of it fetched into L2 ahead of use (into L1, the
-// burst outran the few L1 miss buffers: measured slower).
+// Bytes fetched ahead where a run starts a new stream (measured on the 7B shapes, 2 threads, against
+// fetching each next piece whole, and nothing: the whole pieces were slowest, nothing slower than
+// this on the 2 KB runs of an 11008 -> 4096 linear).
+constexpr int64_t STREAM_START = 512;
+
+// Into L2 (into L1, the burst outran the few L1 miss buffers: measured slower).
 inline void fetch_range(const uint8_t* p, int64_t bytes) {
   for (int64_t at = 0; at < bytes; at += 64) asm volatile("prefetcht1 (%0)" : : "r"(p + at));
 }
@@ -83,14 +88,10 @@ void add_q4_block(const RunLayout& l, const uint8_t* runs, const RowSelection& s
     for (int64_t o = 0; o < n; o += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(acc + o), init);
     // channels two at a time: the sums are loaded and stored once per pair
     for (int32_t j = j0; j < j1; j += 2) {
-      const int32_t next = j + 2;  // the next pair's pieces: this chunk's, else the next chunk's or block's first
-      if (next < j1) {
-        for (int32_t m = next; m < std::min(next + 2, j1); ++m) fetch_range(block + l.run_at(s.channel[m]) + c0 / 2, n / 2);
-      } else if (c0 + n < l.padded) {
-        fetch_range(block + l.run_at(s.channel[j0]) + (c0 + n) / 2, std::min(CHUNK, l.padded - c0 - n) / 2);
-      } else if (i + 1 < i1) {
-        fetch_range(runs + s.blocks[i + 1] * l.block_bytes() + l.run_at(s.channel[j1]), std::min(CHUNK, l.padded) / 2);
-      }
+      // a run that does not follow the one before it starts a new stream: its first lines fetched
+      // ahead (the hardware prefetchers follow the rest, and would follow adjacent runs alone)
+      for (int32_t m = j + 2; m < std::min(j + 4, j1); ++m)
+        if (s.channel[m] != s.channel[m - 1] + 1) fetch_range(block + l.run_at(s.channel[m]) + c0 / 2, std::min(n / 2, STREAM_START));
       const bool pair = j + 1 < j1;
       const uint8_t* w0 = block + l.run_at(s.channel[j]) + c0 / 2;
       const uint8_t* w1 = pair ? block + l.run_at(s.channel[j + 1]) + c0 / 2 : w0;
