@@ -153,9 +153,10 @@ def test_threshold_zero_equals_the_dense_product(rows, each_isa):
 
 
 @pytest.mark.parametrize("rows", [SPARSE_MAX_ROWS + 1, 70])
-def test_many_rows_select_as_one_row_does(rows, each_isa):
+@pytest.mark.parametrize("form", ["4-bit", "Q8_0"])
+def test_many_rows_select_as_one_row_does(rows, form, each_isa):
     """Prefill reads every channel but keeps each row's selection (its x not rounded)."""
-    matrices = fused(seed=14)
+    matrices = fused(seed=14) if form == "4-bit" else [matrix(T.Q8_0, 200, 256, seed=14)]
     x = inputs(rows, 256, seed=15)
     thresholds = thresholds_at(x, 0.5, seed=16)
     layer = column_linear(matrices, thresholds)

@@ -25,16 +25,6 @@ int q_at(const RunLayout& l, const uint8_t* block, int64_t c, int64_t o) {
   return high ? run[byte] >> 4 : run[byte] & 0x0F;
 }
 
-// The rows' values of block b (32 channels) for outputs [0, padded): d, m and q by output, float
-// w = d (q - 8) (Q4), d q + m (Q4_MIN), d q (Q8); into out[c * ld + o].
-void dequantize_block(const RunLayout& l, const uint8_t* block, float* out, int64_t ld) {
-  for (int64_t o = 0; o < l.out_features; ++o) {
-    const float d = half_to_float(block + l.d_at(o));
-    const float m = l.has_min() ? half_to_float(block + l.m_at(o)) : (l.form == RunForm::Q4 ? -8.0f * d : 0.0f);
-    for (int64_t c = 0; c < QK; ++c) out[c * ld + o] = d * static_cast<float>(q_at(l, block, c, o)) + m;
-  }
-}
-
 }  // namespace
 
 RunLayout run_layout(const std::vector<int64_t>& types, const std::vector<int64_t>& outputs, int64_t in_features) {
@@ -62,6 +52,14 @@ RunLayout run_layout(const std::vector<int64_t>& types, const std::vector<int64_
 
 namespace scalar {
 
+void dequantize_block(const RunLayout& l, const uint8_t* block, int64_t o0, float* out, int64_t ld) {
+  for (int64_t o = o0; o < l.out_features; ++o) {
+    const float d = half_to_float(block + l.d_at(o));
+    const float m = l.has_min() ? half_to_float(block + l.m_at(o)) : (l.form == RunForm::Q4 ? -8.0f * d : 0.0f);
+    for (int64_t c = 0; c < QK; ++c) out[c * ld + o] = d * static_cast<float>(q_at(l, block, c, o)) + m;
+  }
+}
+
 void add_runs(const RunLayout& l, const uint8_t* runs, const RowSelection& s, int64_t i0, int64_t i1, float* y) {
   std::vector<int32_t> acc(l.padded);
   for (int64_t i = i0; i < i1; ++i) {
@@ -82,6 +80,16 @@ void add_runs(const RunLayout& l, const uint8_t* runs, const RowSelection& s, in
 }  // namespace scalar
 
 namespace {
+
+BlockDequantizer block_dequantizer() {
+  switch (active_isa()) {
+#ifdef POWERINFER_X86
+    case Isa::AVX512:
+    case Isa::AVX2: return avx2::dequantize_block;
+#endif
+    default: return scalar::dequantize_block;
+  }
+}
 
 RunKernel run_kernel() {
   switch (active_isa()) {
@@ -255,11 +263,12 @@ torch::Tensor SparseInputProjection::all_channels(const torch::Tensor& x_all) co
   auto y = torch::zeros({x.size(0), out}, x.options());
   auto tile = torch::empty({tile_blocks * QK, out}, x.options());
   const uint8_t* base = runs.data_ptr<uint8_t>();
+  const BlockDequantizer dequantize_block = block_dequantizer();
   for (int64_t b0 = 0; b0 < layout.blocks(); b0 += tile_blocks) {
     const int64_t n = std::min(tile_blocks, layout.blocks() - b0);
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b)
-        dequantize_block(layout, base + (b0 + b) * layout.block_bytes(), tile.data_ptr<float>() + b * QK * out, out);
+        dequantize_block(layout, base + (b0 + b) * layout.block_bytes(), 0, tile.data_ptr<float>() + b * QK * out, out);
     });
     y.addmm_(x.narrow(1, b0 * QK, n * QK), tile.narrow(0, 0, n * QK));
   }

@@ -93,11 +93,17 @@ struct RowSelection {
 using RunKernel = void (*)(const RunLayout& layout, const uint8_t* runs, const RowSelection& s, int64_t i0, int64_t i1,
                            float* y);
 
+// The float32 weights of one block of runs (32 channels) for outputs [o0, out_features):
+// out[c * ld + o] (the prefill path's tiles).
+using BlockDequantizer = void (*)(const RunLayout& layout, const uint8_t* block, int64_t o0, float* out, int64_t ld);
+
 namespace scalar {
 void add_runs(const RunLayout& layout, const uint8_t* runs, const RowSelection& s, int64_t i0, int64_t i1, float* y);
+void dequantize_block(const RunLayout& layout, const uint8_t* block, int64_t o0, float* out, int64_t ld);
 }
 namespace avx2 {
 void add_runs(const RunLayout& layout, const uint8_t* runs, const RowSelection& s, int64_t i0, int64_t i1, float* y);
+void dequantize_block(const RunLayout& layout, const uint8_t* block, int64_t o0, float* out, int64_t ld);
 }
 
 struct SparseInputProjection : Projection {

@@ -142,7 +142,56 @@ void add_q8_block(const RunLayout& l, const uint8_t* runs, const RowSelection& s
   }
 }
 
+// 8 float16 values at p as float32
+inline __m256 halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// Writes w = d q + m for 8 consecutive outputs from 8 integers (int32 lanes).
+inline void store_values(float* out, __m256i q, __m256 d, __m256 m) {
+  _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
+}
+
 }  // namespace
+
+void dequantize_block(const RunLayout& l, const uint8_t* block, int64_t o0, float* out, int64_t ld) {
+  // whole steps of 64 outputs below out_features here, the rest by the scalar path
+  const int64_t whole = l.out_features / 64 * 64;
+  // each 128-bit lane's bytes reordered: the even ones, then the odd ones (q4_slot, q8_slot)
+  const __m256i evens_then_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                   0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256 eight = _mm256_set1_ps(-8.0f);
+  for (int64_t g = o0; g < whole; g += 64) {
+    __m256 d[8], m[8];
+    for (int r = 0; r < 8; ++r) {
+      d[r] = halves(block + l.d_at(g + 8 * r));
+      m[r] = l.has_min() ? halves(block + l.m_at(g + 8 * r))
+                         : (l.form == RunForm::Q4 ? _mm256_mul_ps(eight, d[r]) : _mm256_setzero_ps());
+    }
+    for (int64_t c = 0; c < QK; ++c) {
+      float* row = out + c * ld + g;
+      alignas(32) uint8_t q[64];  // the 64 outputs' integers in output order (Q8: two's complement)
+      if (l.form == RunForm::Q8) {
+        for (int h = 0; h < 2; ++h) {  // 32 bytes: outputs 32h..32h+31, per 16: evens (j), odds (8 + j)
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + l.run_at(c) + g + 32 * h));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * h), _mm256_shuffle_epi8(v, evens_then_odds));
+        }
+        for (int r = 0; r < 8; ++r)
+          store_values(row + 8 * r, _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * r))), d[r], m[r]);
+        continue;
+      }
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + l.run_at(c) + g / 2));
+      // low nibbles: even bytes outputs 0..15, odd 16..31; high nibbles: 32.. and 48.. (q4_slot)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i nibbles = h ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low) : _mm256_and_si256(v, low);
+        const __m256i lanes = _mm256_shuffle_epi8(nibbles, evens_then_odds);  // [e0-7 o0-7 | e8-15 o8-15]
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * h), _mm256_permute4x64_epi64(lanes, 0xD8));  // e0-15 o0-15
+      }
+      for (int r = 0; r < 8; ++r)
+        store_values(row + 8 * r, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * r))), d[r], m[r]);
+    }
+  }
+  scalar::dequantize_block(l, block, std::max(o0, whole), out, ld);
+}
 
 void add_runs(const RunLayout& l, const uint8_t* runs, const RowSelection& s, int64_t i0, int64_t i1, float* y) {
   for (int64_t i = i0; i < i1; ++i) {
