@@ -35,6 +35,7 @@ from common import (
     MODEL_NAMES,
     ROOT,
     benchmark_model,
+    bytes_per_token,
     cpu_isa,
     ensure_llama_cpp,
     llama_cpp_isa,
@@ -68,9 +69,20 @@ class PowerInferWorker:
         for token in tokens:
             engine.decode([(0, token)])
 
+    def bytes_read(self, tokens: list[int]) -> float | None:
+        """Weight bytes read per decoded token (greedy steps after the first token); None for a model
+        whose FFNs are neuron records (their reads are not counted per linear)."""
+        from powerinfer.errors import UnsupportedModelError
+
+        try:
+            return bytes_per_token(self.llm, tokens[:1], len(tokens) - 1)
+        except UnsupportedModelError:
+            return None
+
 
 class PowerInferSparseWorker(PowerInferWorker):
-    """A PowerInfer GGUF with predictors: each token computes only the predicted FFN neurons."""
+    """A PowerInfer GGUF with predictors (each token computes only the predicted FFN neurons), or a
+    `powerinfer sparsify` output (each linear skips its input's small channels)."""
 
     sparsity = "auto"
 
@@ -142,6 +154,10 @@ def worker_main(engine: str, model: str, threads: int, n_ctx: int, isa: str) -> 
     print(json.dumps({"ready": True, "isa": worker.isa}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
+        if request["test"] == "bytes":
+            bytes_read = worker.bytes_read(request["tokens"]) if hasattr(worker, "bytes_read") else None
+            print(json.dumps({"bytes": bytes_read}), flush=True)
+            continue
         started = time.perf_counter()
         if request["test"] == "pp":
             worker.prefill(request["ids"])
@@ -163,6 +179,7 @@ class Engine:
         self.isa = self._read()["isa"]
         self.times: dict[str, list[float]] = {"pp": [], "tg": []}
         self.peak_rss = 0
+        self.bytes_per_token: float | None = None
 
     def _read(self) -> dict:
         line = self.process.stdout.readline()
@@ -174,6 +191,9 @@ class Engine:
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         reply = self._read()
+        if request["test"] == "bytes":
+            self.bytes_per_token = reply["bytes"]
+            return
         self.times[request["test"]].append(reply["seconds"])
         self.peak_rss = reply["peak_rss"]
 
@@ -228,7 +248,8 @@ def main() -> None:
             for request in requests:
                 engine.run(request)
         print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr)
-    for engine in engines:
+    for engine in engines:  # after the timings: counting selections slows a step down
+        engine.run({"test": "bytes", "tokens": ids[args.n_prompt :]})
         engine.close()
 
     def rate(engine: Engine, test: str) -> float:
@@ -236,12 +257,13 @@ def main() -> None:
         return statistics.median(n / s for s in engine.times[test])
 
     reference = next((e for e in engines if e.name == "llama.cpp"), None)
-    rows = [f"| engine | ISA | decode tg{args.n_gen} (tok/s) | prefill pp{args.n_prompt} (tok/s) | decode vs llama.cpp | prefill vs llama.cpp | peak RSS (MiB) |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    rows = [f"| engine | ISA | decode tg{args.n_gen} (tok/s) | prefill pp{args.n_prompt} (tok/s) | decode vs llama.cpp | prefill vs llama.cpp | MB read per token | peak RSS (MiB) |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for engine in engines:
         tg, pp = rate(engine, "tg"), rate(engine, "pp")
         vs = (f"{tg / rate(reference, 'tg'):.2f}x", f"{pp / rate(reference, 'pp'):.2f}x") if reference else ("", "")
-        rows.append(f"| {engine.name} | {engine.isa} | {tg:.1f} | {pp:.1f} | {vs[0]} | {vs[1]} | {engine.peak_rss / 2**20:.0f} |")
+        read = "" if engine.bytes_per_token is None else f"{engine.bytes_per_token / 1e6:.1f}"
+        rows.append(f"| {engine.name} | {engine.isa} | {tg:.1f} | {pp:.1f} | {vs[0]} | {vs[1]} | {read} | {engine.peak_rss / 2**20:.0f} |")
     table = "\n".join(rows)
     print(table)
 
@@ -251,10 +273,12 @@ def main() -> None:
         f"Measured {datetime.date.today().isoformat()} on {machine_description()}.",
         f"Model: `{Path(args.model).name}`; {args.threads} threads; medians of {args.reps} interleaved repetitions",
         "(after one warm-up each). Decode: tg = single-token steps from an empty cache over wikitext-2 test tokens;",
-        "prefill: one batch of wikitext-2 test tokens from an empty cache. powerinfer-sparse: the PowerInfer GGUF",
-        f"`{Path(args.sparse_model).name if args.sparse_model else '-'}` (predictors) with `sparsity=\"auto\"`. llama.cpp runs through llama-cpp-python's C API",
+        "prefill: one batch of wikitext-2 test tokens from an empty cache. powerinfer-sparse: the file",
+        f"`{Path(args.sparse_model).name if args.sparse_model else '-'}` (predictors, or a `sparsify` output) with `sparsity=\"auto\"`. llama.cpp runs through llama-cpp-python's C API",
         f"({LLAMA_CPP_PYTHON}, built from source here for {isa} alone: `{LLAMA_CPP_CMAKE_ARGS[isa]}`); transformers loads",
-        "the same GGUF dequantized to float32. ISA: the instruction set each engine reported running.",
+        "the same GGUF dequantized to float32. ISA: the instruction set each engine reported running. MB read per",
+        "token (powerinfer engines): the block linears' and output head's weight bytes a decode step read (a sparse",
+        "linear's selected share), mean over greedy steps on the same tokens, counted after the timings.",
         "",
         table,
         "",
