@@ -35,8 +35,8 @@ def build_parser() -> OneLineParser:
                              "greedy per block: the least perplexity on SmolLM2), global (one greedy across the model) "
                              "(default: %(default)s)")
     parser.add_argument("--all-sites", action="store_true",
-                        help="store every site that skips channels by columns, even where this CPU measured its rows "
-                             "faster (a file for another machine; by default such sites stay by rows)")
+                        help="give every site that skips channels its thresholds, even where this CPU measured the "
+                             "dense rows faster (a file for another machine; by default such sites run dense)")
     parser.add_argument("-o", "--output", required=True, help="the sparsified GGUF")
     add_force_option(parser)
     return parser
@@ -48,6 +48,7 @@ def main(args: argparse.Namespace) -> int:
     llm = LLM(model_path(args), threads=args.threads, sparsity="off")  # calibrated dense
     allocation = sparsify(llm, text, args.output, Target(args.target_sparsity, args.max_ppl_increase), args.force,
                           args.tokens, args.allocation, all_sites=args.all_sites)
-    print(f"wrote {args.output}: {allocation.sparsity:.1%} of the block weights skipped per token on the calibration "
-          f"text ({allocation.criterion} thresholds, {allocation.method} allocation)", file=sys.stderr)
+    print(f"wrote {args.output}: thresholds for {allocation.sparsity:.1%} of the block weights skipped per token on the "
+          f"calibration text ({allocation.criterion} thresholds, {allocation.method} allocation), kept where skipping "
+          "pays on this CPU", file=sys.stderr)
     return 0
