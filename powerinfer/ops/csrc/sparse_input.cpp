@@ -81,23 +81,20 @@ void add_runs(const RunLayout& l, const uint8_t* runs, const RowSelection& s, in
 
 namespace {
 
-BlockDequantizer block_dequantizer() {
+// The kernels of the active instruction set (AVX-512 CPUs take the AVX2 ones: reading the runs is
+// bound by memory, not by vector width).
+struct RunKernels {
+  RunKernel add;
+  BlockDequantizer dequantize;
+};
+
+RunKernels run_kernels() {
   switch (active_isa()) {
 #ifdef POWERINFER_X86
     case Isa::AVX512:
-    case Isa::AVX2: return avx2::dequantize_block;
+    case Isa::AVX2: return {avx2::add_runs, avx2::dequantize_block};
 #endif
-    default: return scalar::dequantize_block;
-  }
-}
-
-RunKernel run_kernel() {
-  switch (active_isa()) {
-#ifdef POWERINFER_X86
-    case Isa::AVX512:  // the AVX2 kernel: reading the runs is bound by memory, not by vector width
-    case Isa::AVX2: return avx2::add_runs;
-#endif
-    default: return scalar::add_runs;
+    default: return {scalar::add_runs, scalar::dequantize_block};
   }
 }
 
@@ -191,9 +188,7 @@ torch::Tensor SparseInputProjection::operator()(const torch::Tensor& x) const {
   int64_t selected = 0;
   for (int64_t r = 0; r < xf.size(0); ++r) {
     const float* row = xf.data_ptr<float>() + r * in_features();
-    sparse_row(row, y.data_ptr<float>() + r * out_features());
-    const float* limit = thresholds.data_ptr<float>();
-    for (int64_t i = 0; i < in_features(); ++i) selected += std::fabs(row[i]) > limit[i];
+    selected += sparse_row(row, y.data_ptr<float>() + r * out_features());
   }
   selected_.store(selected, std::memory_order_relaxed);
   return y;
@@ -207,7 +202,7 @@ RowSelection SparseInputProjection::select(const float* x) const {
     const float* xb = x + b * QK;
     float largest = 0.0f;
     for (int c = 0; c < QK; ++c)
-      if (std::fabs(xb[c]) > limit[b * QK + c]) largest = std::max(largest, std::fabs(xb[c]));
+      if (std::fabs(xb[c]) > limit[b * QK + c]) largest = std::max(largest, std::fabs(xb[c])), ++s.above;
     if (largest == 0.0f) continue;  // nothing active (or only zeros: nothing to add)
     const float scale = largest / 127.0f, inverse = 1.0f / scale;
     int32_t sum = 0;
@@ -228,7 +223,7 @@ RowSelection SparseInputProjection::select(const float* x) const {
   return s;
 }
 
-void SparseInputProjection::sparse_row(const float* x, float* y) const {
+int64_t SparseInputProjection::sparse_row(const float* x, float* y) const {
   const RowSelection s = select(x);
   const int64_t n_blocks = static_cast<int64_t>(s.blocks.size());
   const int64_t tasks = std::clamp<int64_t>(s.active() / MIN_TASK_CHANNELS, 1, at::get_num_threads());
@@ -236,7 +231,7 @@ void SparseInputProjection::sparse_row(const float* x, float* y) const {
   auto partial = torch::zeros({tasks, layout.padded}, torch::kFloat32);
   float* sums = partial.data_ptr<float>();
   const uint8_t* base = runs.data_ptr<uint8_t>();
-  const RunKernel kernel = run_kernel();
+  const RunKernel kernel = run_kernels().add;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const auto first_block = [&](int64_t task) {
@@ -251,6 +246,7 @@ void SparseInputProjection::sparse_row(const float* x, float* y) const {
     for (int64_t t = 0; t < tasks; ++t) v += sums[t * layout.padded + o];
     y[o] = v;
   }
+  return s.above;
 }
 
 torch::Tensor SparseInputProjection::all_channels(const torch::Tensor& x_all) const {
@@ -263,7 +259,7 @@ torch::Tensor SparseInputProjection::all_channels(const torch::Tensor& x_all) co
   auto y = torch::zeros({x.size(0), out}, x.options());
   auto tile = torch::empty({tile_blocks * QK, out}, x.options());
   const uint8_t* base = runs.data_ptr<uint8_t>();
-  const BlockDequantizer dequantize_block = block_dequantizer();
+  const BlockDequantizer dequantize_block = run_kernels().dequantize;
   for (int64_t b0 = 0; b0 < layout.blocks(); b0 += tile_blocks) {
     const int64_t n = std::min(tile_blocks, layout.blocks() - b0);
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {

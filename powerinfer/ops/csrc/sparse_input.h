@@ -86,6 +86,7 @@ struct RowSelection {
   std::vector<int8_t> k;
   std::vector<float> scale;
   std::vector<int32_t> k_sum;
+  int64_t above = 0;  // channels above their thresholds (with those whose x rounds to 0)
   int64_t active() const { return static_cast<int64_t>(channel.size()); }
 };
 
@@ -128,7 +129,7 @@ struct SparseInputProjection : Projection {
   mutable std::atomic<int64_t> selected_{0};
 
   RowSelection select(const float* x) const;
-  void sparse_row(const float* x, float* y) const;
+  int64_t sparse_row(const float* x, float* y) const;  // returns the row's channels above threshold
   torch::Tensor all_channels(const torch::Tensor& x) const;
 };
 

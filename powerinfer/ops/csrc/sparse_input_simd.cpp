@@ -25,10 +25,13 @@ namespace {
 // 4-bit kernel in the same form: 2 steps beat 4, 8 and 16).
 constexpr int64_t AHEAD = 2;
 
+// 8 float16 values at p as float32
+inline __m256 halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 // y[0..16) += the 16 int32 sums of lo and hi (8 each) times d * scale.
 inline void add_scaled(float* y, __m256i lo, __m256i hi, const uint8_t* d, __m256 scale) {
-  const __m256 d0 = _mm256_mul_ps(scale, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d))));
-  const __m256 d1 = _mm256_mul_ps(scale, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 16))));
+  const __m256 d0 = _mm256_mul_ps(scale, halves(d));
+  const __m256 d1 = _mm256_mul_ps(scale, halves(d + 16));
   _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), d0, _mm256_loadu_ps(y)));
   _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), d1, _mm256_loadu_ps(y + 8)));
 }
@@ -37,14 +40,12 @@ inline void add_scaled(float* y, __m256i lo, __m256i hi, const uint8_t* d, __m25
 inline void add_minimum(float* y, const uint8_t* d, const uint8_t* m, __m256 rounded_sum) {
   const __m256 eight = _mm256_set1_ps(8.0f);
   for (int h = 0; h < 2; ++h) {
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 16 * h)));
-    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + 16 * h)));
+    const __m256 dv = halves(d + 16 * h), mv = halves(m + 16 * h);
     _mm256_storeu_ps(y + 8 * h, _mm256_fmadd_ps(_mm256_fmadd_ps(eight, dv, mv), rounded_sum, _mm256_loadu_ps(y + 8 * h)));
   }
 }
 
-// One cache line into L1. An asm statement, not __builtin_prefetch: GCC takes a function that only
-// prefetches for one without effects and drops the calls to it (this one's were, at -O1 and up).
+// One cache line into L1 (an asm statement: see prefetch_line in common.h).
 inline void fetch_line(const uint8_t* p) { asm volatile("prefetcht0 (%0)" : : "r"(p)); }
 // Q8: the lines of every active run (and of the scales) that step `at_byte` of block i reads; past
 // the runs' end, the next block's.
@@ -65,15 +66,11 @@ inline void prefetch_q8_step(const RunLayout& l, const uint8_t* runs, const RowS
 // run per chunk, its sums in L2, measured alike).
 constexpr int64_t CHUNK = 8192;
 
-// Bytes fetched ahead where a run starts a new stream (measured on the 7B shapes, 2 threads, against
-// fetching each next piece whole, and nothing: the whole pieces were slowest, nothing slower than
-// this on the 2 KB runs of an 11008 -> 4096 linear).
+// Bytes fetched ahead (into L2: into L1 the burst outran the few L1 miss buffers, measured slower)
+// where a run starts a new stream (measured on the 7B shapes, 2 threads, against fetching each next
+// piece whole, and nothing: the whole pieces were slowest, nothing slower than this on the 2 KB runs
+// of an 11008 -> 4096 linear).
 constexpr int64_t STREAM_START = 512;
-
-// Into L2 (into L1, the burst outran the few L1 miss buffers: measured slower).
-inline void fetch_range(const uint8_t* p, int64_t bytes) {
-  for (int64_t at = 0; at < bytes; at += 64) asm volatile("prefetcht1 (%0)" : : "r"(p + at));
-}
 
 void add_q4_block(const RunLayout& l, const uint8_t* runs, const RowSelection& s, int64_t i, int64_t i1, float* y) {
   alignas(32) int16_t acc[CHUNK];
@@ -91,7 +88,7 @@ void add_q4_block(const RunLayout& l, const uint8_t* runs, const RowSelection& s
       // a run that does not follow the one before it starts a new stream: its first lines fetched
       // ahead (the hardware prefetchers follow the rest, and would follow adjacent runs alone)
       for (int32_t m = j + 2; m < std::min(j + 4, j1); ++m)
-        if (s.channel[m] != s.channel[m - 1] + 1) fetch_range(block + l.run_at(s.channel[m]) + c0 / 2, std::min(n / 2, STREAM_START));
+        if (s.channel[m] != s.channel[m - 1] + 1) prefetch(block + l.run_at(s.channel[m]) + c0 / 2, std::min(n / 2, STREAM_START));
       const bool pair = j + 1 < j1;
       const uint8_t* w0 = block + l.run_at(s.channel[j]) + c0 / 2;
       const uint8_t* w1 = pair ? block + l.run_at(s.channel[j + 1]) + c0 / 2 : w0;
@@ -141,9 +138,6 @@ void add_q8_block(const RunLayout& l, const uint8_t* runs, const RowSelection& s
     for (int u = 0; u < 4; ++u) add_scaled(y + g + 16 * u, acc[2 * u], acc[2 * u + 1], block + l.d_at(g + 16 * u), scale);
   }
 }
-
-// 8 float16 values at p as float32
-inline __m256 halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // Writes w = d q + m for 8 consecutive outputs from 8 integers (int32 lanes).
 inline void store_values(float* out, __m256i q, __m256 d, __m256 m) {
