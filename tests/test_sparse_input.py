@@ -128,19 +128,33 @@ def test_fused_parts_of_mixed_types_equal_the_masked_product(each_isa):
     check(column_linear(matrices, thresholds), matrices, thresholds, x)
 
 
-def test_each_row_gets_its_one_row_result_exactly(each_isa):
+@pytest.mark.parametrize("rows", [7, SPARSE_MAX_ROWS])  # groups of 4 rows read each run once, and the rest
+@pytest.mark.parametrize("form", ["4-bit", "Q8_0"])
+def test_each_row_gets_its_one_row_result_exactly(rows, form, each_isa):
     """What keeps batched decoding equal to decoding alone: each row's bits do not depend on the
     other rows of its call."""
-    matrices = fused(seed=6)
-    x = inputs(SPARSE_MAX_ROWS, 256, seed=7)
+    matrices = fused(seed=6) if form == "4-bit" else [matrix(T.Q8_0, 200, 256, seed=6)]
+    x = inputs(rows, 256, seed=7)
     x[1] *= 4  # a row that selects many more channels than the others
+    x[2, :128] = 0.0  # and one with nothing in half the blocks
     thresholds = thresholds_at(x, 0.6, seed=8)
     layer = column_linear(matrices, thresholds)
     assert layer.native is layer.projection is not None  # what the C++ decode step calls
     together = check(layer, matrices, thresholds, x)
     assert layer.last_selected == int((x.abs() > thresholds).sum())
-    for rows in (slice(row, row + 1) for row in range(SPARSE_MAX_ROWS)):
-        assert torch.equal(layer(x[rows]), together[rows])
+    for row in range(rows):
+        assert torch.equal(layer(x[row:row + 1]), together[row:row + 1])
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q8_0])
+@pytest.mark.parametrize("rows", [2, 3, 4])
+def test_rows_read_together_equal_the_masked_product(ggml_type, rows, each_isa):
+    """Outputs past one chunk of the 4-bit kernel (8192) and off its steps."""
+    in_features = 256 if ggml_type == T.Q4_K else 96
+    m = matrix(ggml_type, 8200, in_features, seed=rows)
+    x = inputs(rows, in_features, seed=rows + 1)
+    thresholds = thresholds_at(x, 0.5, seed=rows + 2)
+    check(column_linear([m], thresholds), [m], thresholds, x)
 
 
 @pytest.mark.parametrize("rows", [1, 5])

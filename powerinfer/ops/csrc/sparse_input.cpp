@@ -60,19 +60,25 @@ void dequantize_block(const RunLayout& l, const uint8_t* block, int64_t o0, floa
   }
 }
 
-void add_runs(const RunLayout& l, const uint8_t* runs, const RowSelection& s, int64_t i0, int64_t i1, float* y) {
+void add_runs(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
   std::vector<int32_t> acc(l.padded);
+  const bool centred = l.form != RunForm::Q8;  // 4-bit sums of k (q - 8), as the AVX2 kernel's
   for (int64_t i = i0; i < i1; ++i) {
     const uint8_t* block = runs + s.blocks[i] * l.block_bytes();
-    const bool centred = l.form != RunForm::Q8;  // 4-bit sums of k (q - 8), as the AVX2 kernel's
-    std::fill(acc.begin(), acc.end(), centred ? -8 * s.k_sum[i] : 0);
-    for (int32_t j = s.start[i]; j < s.start[i + 1]; ++j)
-      for (int64_t o = 0; o < l.padded; ++o) acc[o] += s.k[j] * q_at(l, block, s.channel[j], o);
-    const float rounded_sum = s.scale[i] * static_cast<float>(s.k_sum[i]);
-    for (int64_t o = 0; o < l.padded; ++o) {
-      const float d = half_to_float(block + l.d_at(o));
-      y[o] = std::fma(static_cast<float>(acc[o]), s.scale[i] * d, y[o]);
-      if (l.has_min()) y[o] = std::fma(rounded_sum, half_to_float(block + l.m_at(o)) + 8.0f * d, y[o]);
+    for (int r = 0; r < s.rows; ++r) {
+      const float scale = s.scale[i * s.rows + r];
+      if (scale == 0.0f) continue;  // nothing of this row here
+      const int32_t k_sum = s.k_sum[i * s.rows + r];
+      std::fill(acc.begin(), acc.end(), centred ? -8 * k_sum : 0);
+      for (int32_t j = s.start[i]; j < s.start[i + 1]; ++j)
+        for (int64_t o = 0; o < l.padded; ++o) acc[o] += s.k[j * s.rows + r] * q_at(l, block, s.channel[j], o);
+      const float rounded_sum = scale * static_cast<float>(k_sum);
+      float* yr = y + r * l.padded;
+      for (int64_t o = 0; o < l.padded; ++o) {
+        const float d = half_to_float(block + l.d_at(o));
+        yr[o] = std::fma(static_cast<float>(acc[o]), scale * d, yr[o]);
+        if (l.has_min()) yr[o] = std::fma(rounded_sum, half_to_float(block + l.m_at(o)) + 8.0f * d, yr[o]);
+      }
     }
   }
 }
@@ -103,8 +109,8 @@ RunKernels run_kernels() {
 // 16 MiB tiles 27 ms, 1 MiB 13 ms).
 constexpr int64_t TILE_BYTES = 1 << 20;
 
-// Active channels per thread at least this many: fewer cost more in thread start than they save.
-constexpr int64_t MIN_TASK_CHANNELS = 64;
+// Blocks of 32 inputs per thread at least this many: fewer cost more in thread start than they save.
+constexpr int64_t MIN_TASK_BLOCKS = 4;
 
 }  // namespace
 
@@ -186,66 +192,82 @@ torch::Tensor SparseInputProjection::operator()(const torch::Tensor& x) const {
   if (xf.size(0) > sparse_max_rows) return all_channels(xf);
   auto y = torch::empty({xf.size(0), out_features()}, xf.options());
   int64_t selected = 0;
-  for (int64_t r = 0; r < xf.size(0); ++r) {
-    const float* row = xf.data_ptr<float>() + r * in_features();
-    selected += sparse_row(row, y.data_ptr<float>() + r * out_features());
+  for (int64_t r = 0; r < xf.size(0); r += MAX_GROUP_ROWS) {
+    const int rows = static_cast<int>(std::min<int64_t>(MAX_GROUP_ROWS, xf.size(0) - r));
+    selected += sparse_group(xf.data_ptr<float>() + r * in_features(), rows, y.data_ptr<float>() + r * out_features());
   }
   selected_.store(selected, std::memory_order_relaxed);
   return y;
 }
 
-RowSelection SparseInputProjection::select(const float* x) const {
+Selection SparseInputProjection::select(const float* x, int rows) const {
   const float* limit = thresholds.data_ptr<float>();
-  RowSelection s;
+  Selection s;
+  s.rows = rows;
   s.start.push_back(0);
+  int8_t k[MAX_GROUP_ROWS][QK];
+  float scale[MAX_GROUP_ROWS];
+  int32_t sum[MAX_GROUP_ROWS];
   for (int64_t b = 0; b < layout.blocks(); ++b) {
-    const float* xb = x + b * QK;
-    float largest = 0.0f;
-    for (int c = 0; c < QK; ++c)
-      if (std::fabs(xb[c]) > limit[b * QK + c]) largest = std::max(largest, std::fabs(xb[c])), ++s.above;
-    if (largest == 0.0f) continue;  // nothing active (or only zeros: nothing to add)
-    const float scale = largest / 127.0f, inverse = 1.0f / scale;
-    int32_t sum = 0;
-    for (int c = 0; c < QK; ++c) {
-      if (!(std::fabs(xb[c]) > limit[b * QK + c])) continue;
-      const int k = static_cast<int>(std::nearbyint(xb[c] * inverse));
-      if (k == 0) continue;  // rounds to nothing: its run would add 0
-      s.channel.push_back(static_cast<uint8_t>(c));
-      s.k.push_back(static_cast<int8_t>(k));
-      sum += k;
+    uint32_t any = 0;  // bit c: channel c is active in some row
+    for (int r = 0; r < rows; ++r) {
+      const float* xb = x + r * in_features() + b * QK;
+      const float* lb = limit + b * QK;
+      float largest = 0.0f;
+      for (int c = 0; c < QK; ++c)
+        if (std::fabs(xb[c]) > lb[c]) largest = std::max(largest, std::fabs(xb[c])), ++s.above;
+      scale[r] = largest / 127.0f;
+      sum[r] = 0;
+      const float inverse = largest == 0.0f ? 0.0f : 1.0f / scale[r];
+      uint32_t row_any = 0;
+      for (int c = 0; c < QK; ++c) {
+        // a channel whose x rounds to 0 would add 0: the row leaves it out
+        k[r][c] = std::fabs(xb[c]) > lb[c] ? static_cast<int8_t>(std::nearbyint(xb[c] * inverse)) : 0;
+        sum[r] += k[r][c];
+        if (k[r][c] != 0) row_any |= 1u << c;
+      }
+      if (row_any == 0) scale[r] = 0.0f;  // nothing of this row in the block
+      any |= row_any;
     }
-    if (s.active() == s.start.back()) continue;
+    if (any == 0) continue;
+    for (int c = 0; c < QK; ++c) {
+      if (!(any >> c & 1u)) continue;
+      s.channel.push_back(static_cast<uint8_t>(c));
+      for (int r = 0; r < rows; ++r) s.k.push_back(k[r][c]);
+    }
     s.blocks.push_back(static_cast<int32_t>(b));
     s.start.push_back(static_cast<int32_t>(s.active()));
-    s.scale.push_back(scale);
-    s.k_sum.push_back(sum);
+    s.scale.insert(s.scale.end(), scale, scale + rows);
+    s.k_sum.insert(s.k_sum.end(), sum, sum + rows);
   }
   return s;
 }
 
-int64_t SparseInputProjection::sparse_row(const float* x, float* y) const {
-  const RowSelection s = select(x);
-  const int64_t n_blocks = static_cast<int64_t>(s.blocks.size());
-  const int64_t tasks = std::clamp<int64_t>(s.active() / MIN_TASK_CHANNELS, 1, at::get_num_threads());
-  // per task its own sums over a range of blocks of about equal active channels, then added
-  auto partial = torch::zeros({tasks, layout.padded}, torch::kFloat32);
+int64_t SparseInputProjection::sparse_group(const float* x, int rows, float* y) const {
+  const Selection s = select(x, rows);
+  // Threads take fixed ranges of blocks (not of active channels): a row's sums then do not depend
+  // on the other rows of its group.
+  const int64_t tasks = std::clamp<int64_t>(layout.blocks() / MIN_TASK_BLOCKS, 1, at::get_num_threads());
+  const int64_t stride = rows * layout.padded;
+  auto partial = torch::zeros({tasks, stride}, torch::kFloat32);
   float* sums = partial.data_ptr<float>();
   const uint8_t* base = runs.data_ptr<uint8_t>();
   const RunKernel kernel = run_kernels().add;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const auto first_block = [&](int64_t task) {
-        return static_cast<int64_t>(std::lower_bound(s.start.begin(), s.start.end() - 1, s.active() * task / tasks) - s.start.begin());
+        const int64_t b = layout.blocks() * task / tasks;
+        return static_cast<int64_t>(std::lower_bound(s.blocks.begin(), s.blocks.end(), b) - s.blocks.begin());
       };
-      const int64_t i0 = first_block(t), i1 = t + 1 == tasks ? n_blocks : first_block(t + 1);
-      kernel(layout, base, s, i0, i1, sums + t * layout.padded);
+      kernel(layout, base, s, first_block(t), first_block(t + 1), sums + t * stride);
     }
   });
-  for (int64_t o = 0; o < out_features(); ++o) {
-    float v = 0.0f;
-    for (int64_t t = 0; t < tasks; ++t) v += sums[t * layout.padded + o];
-    y[o] = v;
-  }
+  for (int r = 0; r < rows; ++r)
+    for (int64_t o = 0; o < out_features(); ++o) {
+      float v = 0.0f;
+      for (int64_t t = 0; t < tasks; ++t) v += sums[t * stride + r * layout.padded + o];
+      y[r * out_features() + o] = v;
+    }
   return s.above;
 }
 

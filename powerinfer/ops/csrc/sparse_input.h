@@ -21,9 +21,10 @@
 // times those int8 in integers per block (4-bit: int16, exact: 32 * 8 * 127 fits; Q8: int32), one
 // float multiply by d * scale per output and block, plus (m + 8 d) times the block's rounded x sum
 // for Q4_MIN. The scalar path does the same integer arithmetic.
-// Threads split the active blocks into ranges of about equal work, each summing its own outputs, which
-// are then added: a row's result does not depend on other rows; it may differ in the last bits
-// with the number of threads.
+// Rows go in groups of up to MAX_GROUP_ROWS: each run of the union of the group's selections is read
+// once, each row multiplying it by its own k (0 where the row skips the channel). Threads take fixed
+// ranges of blocks, each summing its own outputs, which are then added: a row's result does not
+// depend on the other rows of its call; it may differ in the last bits with the number of threads.
 // Many rows (prefill): each row's skipped channels set to 0, the runs dequantized to float32 a tile
 // of blocks at a time and multiplied by torch's matrix product (the runs stay the only copy).
 // Plain-torch reference: powerinfer/sparse/columns.py.
@@ -78,20 +79,26 @@ struct RunLayout {
 // where a type has no form here (then the layer stays by rows).
 RunLayout run_layout(const std::vector<int64_t>& types, const std::vector<int64_t>& outputs, int64_t in_features);
 
-// One row's selection: per block with an active channel, its channels, their x rounded to int8 on the
-// block's scale, and the sum of those (rounded) values.
-struct RowSelection {
+// Rows computed together: each run is read once for all of them.
+constexpr int MAX_GROUP_ROWS = 4;
+
+// A group of rows' selection (1 to MAX_GROUP_ROWS rows): per block where any row has an active
+// channel, the union of the rows' active channels; per channel and row, that row's x rounded to int8
+// on the row's block scale (0 where the row skips the channel); per block and row, the scale and the
+// sum of the row's k (scale 0: the row has nothing in the block).
+struct Selection {
+  int rows = 1;
   std::vector<int32_t> blocks, start;  // channels of blocks[i]: [start[i], start[i + 1])
   std::vector<uint8_t> channel;        // within its block
-  std::vector<int8_t> k;
-  std::vector<float> scale;
-  std::vector<int32_t> k_sum;
-  int64_t above = 0;  // channels above their thresholds (with those whose x rounds to 0)
+  std::vector<int8_t> k;               // [channel index * rows + row]
+  std::vector<float> scale;            // [block index * rows + row]
+  std::vector<int32_t> k_sum;          // [block index * rows + row]
+  int64_t above = 0;  // (row, channel) pairs above their thresholds (with those whose x rounds to 0)
   int64_t active() const { return static_cast<int64_t>(channel.size()); }
 };
 
-// Adds blocks [i0, i1) of `s` into y (float32, `padded` outputs) from the runs at `runs`.
-using RunKernel = void (*)(const RunLayout& layout, const uint8_t* runs, const RowSelection& s, int64_t i0, int64_t i1,
+// Adds blocks [i0, i1) of `s` into y (float32, per row `padded` outputs) from the runs at `runs`.
+using RunKernel = void (*)(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1,
                            float* y);
 
 // The float32 weights of one block of runs (32 channels) for outputs [o0, out_features):
@@ -99,11 +106,11 @@ using RunKernel = void (*)(const RunLayout& layout, const uint8_t* runs, const R
 using BlockDequantizer = void (*)(const RunLayout& layout, const uint8_t* block, int64_t o0, float* out, int64_t ld);
 
 namespace scalar {
-void add_runs(const RunLayout& layout, const uint8_t* runs, const RowSelection& s, int64_t i0, int64_t i1, float* y);
+void add_runs(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y);
 void dequantize_block(const RunLayout& layout, const uint8_t* block, int64_t o0, float* out, int64_t ld);
 }
 namespace avx2 {
-void add_runs(const RunLayout& layout, const uint8_t* runs, const RowSelection& s, int64_t i0, int64_t i1, float* y);
+void add_runs(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y);
 void dequantize_block(const RunLayout& layout, const uint8_t* block, int64_t o0, float* out, int64_t ld);
 }
 
@@ -128,8 +135,9 @@ struct SparseInputProjection : Projection {
  private:
   mutable std::atomic<int64_t> selected_{0};
 
-  RowSelection select(const float* x) const;
-  int64_t sparse_row(const float* x, float* y) const;  // returns the row's channels above threshold
+  Selection select(const float* x, int rows) const;
+  // rows (at most MAX_GROUP_ROWS) of x into y; returns the (row, channel) pairs above threshold
+  int64_t sparse_group(const float* x, int rows, float* y) const;
   torch::Tensor all_channels(const torch::Tensor& x) const;
 };
 

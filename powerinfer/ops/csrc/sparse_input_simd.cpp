@@ -1,9 +1,9 @@
 // The AVX2 kernel of SparseInputProjection (sparse_input.h). Per active block of 32 inputs:
-//   4-bit forms: per chunk of outputs, the int16 sums of all outputs stay in L1 while the active
-//   channels' pieces of run stream past, two channels at a time (the hardware prefetchers follow
-//   a run, and adjacent runs; the start of a run after a skipped one is fetched ahead);
-//   `_mm256_maddubs_epi16` multiplies the unsigned nibbles by [k, 0] and [0, k] byte pairs: the even
-//   and the odd bytes' outputs, which the layout's order (q4_slot) makes the next 16 outputs each.
+//   4-bit forms: per chunk of outputs, the int16 sums of all outputs (of every row of the group)
+//   stay in L1 while the active channels' pieces of run stream past, two channels at a time (the
+//   hardware prefetchers follow a run, and adjacent runs; the start of a run after a skipped one is
+//   fetched ahead); the two channels' nibbles interleaved byte by byte, `_mm256_maddubs_epi16` by a
+//   row's [k_j, k_j+1] byte pairs sums both channels' products for 16 outputs.
 //   Q8: per step of 64 outputs, eight int32 vectors in registers, each run's line a few steps
 //   ahead fetched (`_mm256_madd_epi16` on [k, 0] and [0, k] pairs, q8_slot's order).
 // Then the sums meet the block's scales once per output.
@@ -49,7 +49,7 @@ inline void add_minimum(float* y, const uint8_t* d, const uint8_t* m, __m256 rou
 inline void fetch_line(const uint8_t* p) { asm volatile("prefetcht0 (%0)" : : "r"(p)); }
 // Q8: the lines of every active run (and of the scales) that step `at_byte` of block i reads; past
 // the runs' end, the next block's.
-inline void prefetch_q8_step(const RunLayout& l, const uint8_t* runs, const RowSelection& s, int64_t i, int64_t i1,
+inline void prefetch_q8_step(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t i1,
                              int64_t at_byte) {
   if (at_byte >= l.run_bytes()) {
     if (++i >= i1) return;
@@ -72,18 +72,36 @@ constexpr int64_t CHUNK = 8192;
 // of an 11008 -> 4096 linear).
 constexpr int64_t STREAM_START = 512;
 
-void add_q4_block(const RunLayout& l, const uint8_t* runs, const RowSelection& s, int64_t i, int64_t i1, float* y) {
-  alignas(32) int16_t acc[CHUNK];
+// The sums of 32 outputs from their two int16 vectors (lo, hi: the unpacked halves, slot order
+// [0 16 1 17 2 18 3 19 | 8 24 ... 11 27] and [4 20 ... 7 23 | 12 28 ... 15 31]) as four int32
+// vectors of 8 outputs in order.
+inline void in_order(__m256i lo, __m256i hi, __m256i q[4]) {
+  const __m256i lo_even = _mm256_srai_epi32(_mm256_slli_epi32(lo, 16), 16), lo_odd = _mm256_srai_epi32(lo, 16);
+  const __m256i hi_even = _mm256_srai_epi32(_mm256_slli_epi32(hi, 16), 16), hi_odd = _mm256_srai_epi32(hi, 16);
+  q[0] = _mm256_permute2x128_si256(lo_even, hi_even, 0x20);
+  q[1] = _mm256_permute2x128_si256(lo_even, hi_even, 0x31);
+  q[2] = _mm256_permute2x128_si256(lo_odd, hi_odd, 0x20);
+  q[3] = _mm256_permute2x128_si256(lo_odd, hi_odd, 0x31);
+}
+
+// 4-bit runs, R rows. Channels go two at a time: their nibbles interleaved byte by byte (channel j,
+// channel j + 1 for the same output), so that one `_mm256_maddubs_epi16` by the byte pairs
+// [k_j, k_j+1] of a row sums both channels' products for 16 outputs; the unpacking is shared by
+// the rows. acc: R * CHUNK int16 (a row's sums in slot order, see in_order).
+template <int R>
+void add_q4_block(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, float* y, int16_t* acc) {
   const uint8_t* block = runs + s.blocks[i] * l.block_bytes();
-  const __m256 scale = _mm256_set1_ps(s.scale[i]);
-  const __m256 rounded_sum = _mm256_set1_ps(s.scale[i] * static_cast<float>(s.k_sum[i]));
   const __m256i low = _mm256_set1_epi8(0x0F);
   const int32_t j0 = s.start[i], j1 = s.start[i + 1];
-  for (int64_t c0 = 0; c0 < l.padded; c0 += CHUNK) {
-    const int64_t n = std::min(CHUNK, l.padded - c0);
-    const __m256i init = _mm256_set1_epi16(static_cast<int16_t>(-8 * s.k_sum[i]));  // wraps: the sums fit int16
-    for (int64_t o = 0; o < n; o += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(acc + o), init);
-    // channels two at a time: the sums are loaded and stored once per pair
+  const float* scale = &s.scale[i * R];
+  const int32_t* k_sum = &s.k_sum[i * R];
+  constexpr int64_t chunk = CHUNK / R / RUN_GROUP * RUN_GROUP;  // all rows' sums in L1, whole steps
+  for (int64_t c0 = 0; c0 < l.padded; c0 += chunk) {
+    const int64_t n = std::min(chunk, l.padded - c0);
+    for (int r = 0; r < R; ++r) {
+      const __m256i init = _mm256_set1_epi16(static_cast<int16_t>(-8 * k_sum[r]));  // wraps: the sums fit int16
+      for (int64_t o = 0; o < n; o += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(acc + r * chunk + o), init);
+    }
     for (int32_t j = j0; j < j1; j += 2) {
       // a run that does not follow the one before it starts a new stream: its first lines fetched
       // ahead (the hardware prefetchers follow the rest, and would follow adjacent runs alone)
@@ -92,50 +110,71 @@ void add_q4_block(const RunLayout& l, const uint8_t* runs, const RowSelection& s
       const bool pair = j + 1 < j1;
       const uint8_t* w0 = block + l.run_at(s.channel[j]) + c0 / 2;
       const uint8_t* w1 = pair ? block + l.run_at(s.channel[j + 1]) + c0 / 2 : w0;
-      const uint16_t k0 = static_cast<uint8_t>(s.k[j]), k1 = pair ? static_cast<uint8_t>(s.k[j + 1]) : 0;
-      const __m256i even0 = _mm256_set1_epi16(static_cast<int16_t>(k0)), odd0 = _mm256_set1_epi16(static_cast<int16_t>(k0 << 8));
-      const __m256i even1 = _mm256_set1_epi16(static_cast<int16_t>(k1)), odd1 = _mm256_set1_epi16(static_cast<int16_t>(k1 << 8));
+      __m256i k[R];
+      for (int r = 0; r < R; ++r) {
+        const uint16_t k0 = static_cast<uint8_t>(s.k[j * R + r]), k1 = pair ? static_cast<uint8_t>(s.k[(j + 1) * R + r]) : 0;
+        k[r] = _mm256_set1_epi16(static_cast<int16_t>(k0 | k1 << 8));
+      }
       for (int64_t g = 0; g < n; g += 64) {
         const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w0 + g / 2));
         const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w1 + g / 2));
         const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
         const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
-        __m256i* a = reinterpret_cast<__m256i*>(acc + g);
-        a[0] = _mm256_add_epi16(a[0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, even0), _mm256_maddubs_epi16(lo1, even1)));
-        a[1] = _mm256_add_epi16(a[1], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, odd0), _mm256_maddubs_epi16(lo1, odd1)));
-        a[2] = _mm256_add_epi16(a[2], _mm256_add_epi16(_mm256_maddubs_epi16(hi0, even0), _mm256_maddubs_epi16(hi1, even1)));
-        a[3] = _mm256_add_epi16(a[3], _mm256_add_epi16(_mm256_maddubs_epi16(hi0, odd0), _mm256_maddubs_epi16(hi1, odd1)));
+        const __m256i both[4] = {_mm256_unpacklo_epi8(lo0, lo1), _mm256_unpackhi_epi8(lo0, lo1),
+                                 _mm256_unpacklo_epi8(hi0, hi1), _mm256_unpackhi_epi8(hi0, hi1)};
+        for (int r = 0; r < R; ++r) {
+          __m256i* a = reinterpret_cast<__m256i*>(acc + r * chunk + g);
+          for (int u = 0; u < 4; ++u) a[u] = _mm256_add_epi16(a[u], _mm256_maddubs_epi16(both[u], k[r]));
+        }
       }
     }
-    for (int64_t r = 0; r < n; r += 16) {
-      const int64_t o = c0 + r;
-      const __m256i sums = _mm256_load_si256(reinterpret_cast<const __m256i*>(acc + r));
-      add_scaled(y + o, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(sums)),
-                 _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sums, 1)), block + l.d_at(o), scale);
-      if (l.has_min()) add_minimum(y + o, block + l.d_at(o), block + l.m_at(o), rounded_sum);
+    for (int r = 0; r < R; ++r) {
+      if (scale[r] == 0.0f) continue;  // nothing of this row in the block
+      const __m256 row_scale = _mm256_set1_ps(scale[r]);
+      const __m256 rounded_sum = _mm256_set1_ps(scale[r] * static_cast<float>(k_sum[r]));
+      float* yr = y + r * l.padded;
+      for (int64_t g = 0; g < n; g += 32) {
+        const int64_t o = c0 + g;
+        __m256i q[4];
+        in_order(_mm256_load_si256(reinterpret_cast<const __m256i*>(acc + r * chunk + g)),
+                 _mm256_load_si256(reinterpret_cast<const __m256i*>(acc + r * chunk + g + 16)), q);
+        add_scaled(yr + o, q[0], q[1], block + l.d_at(o), row_scale);
+        add_scaled(yr + o + 16, q[2], q[3], block + l.d_at(o + 16), row_scale);
+        if (l.has_min()) {
+          add_minimum(yr + o, block + l.d_at(o), block + l.m_at(o), rounded_sum);
+          add_minimum(yr + o + 16, block + l.d_at(o + 16), block + l.m_at(o + 16), rounded_sum);
+        }
+      }
     }
   }
 }
 
-void add_q8_block(const RunLayout& l, const uint8_t* runs, const RowSelection& s, int64_t i, int64_t i1, float* y) {
+// Q8 runs: per step of 64 outputs and per row, eight int32 vectors in registers (the step's pieces
+// of run stay in L1 for the next row).
+void add_q8_block(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t i1, float* y) {
   const uint8_t* block = runs + s.blocks[i] * l.block_bytes();
-  const __m256 scale = _mm256_set1_ps(s.scale[i]);
   const int32_t j0 = s.start[i], j1 = s.start[i + 1];
   for (int64_t g = 0; g < l.padded; g += 64) {
     prefetch_q8_step(l, runs, s, i, i1, g + AHEAD * 64);
-    __m256i acc[8];
-    for (auto& a : acc) a = _mm256_setzero_si256();
-    for (int32_t j = j0; j < j1; ++j) {
-      const uint8_t* w = block + l.run_at(s.channel[j]) + g;
-      const uint32_t k = static_cast<uint16_t>(static_cast<int16_t>(s.k[j]));
-      const __m256i even = _mm256_set1_epi32(static_cast<int32_t>(k)), odd = _mm256_set1_epi32(static_cast<int32_t>(k << 16));
-      for (int u = 0; u < 4; ++u) {
-        const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * u)));
-        acc[2 * u] = _mm256_add_epi32(acc[2 * u], _mm256_madd_epi16(v, even));
-        acc[2 * u + 1] = _mm256_add_epi32(acc[2 * u + 1], _mm256_madd_epi16(v, odd));
+    for (int r = 0; r < s.rows; ++r) {
+      const float row_scale = s.scale[i * s.rows + r];
+      if (row_scale == 0.0f) continue;
+      __m256i acc[8];
+      for (auto& a : acc) a = _mm256_setzero_si256();
+      for (int32_t j = j0; j < j1; ++j) {
+        const uint8_t* w = block + l.run_at(s.channel[j]) + g;
+        const uint32_t k = static_cast<uint16_t>(static_cast<int16_t>(s.k[j * s.rows + r]));
+        const __m256i even = _mm256_set1_epi32(static_cast<int32_t>(k)), odd = _mm256_set1_epi32(static_cast<int32_t>(k << 16));
+        for (int u = 0; u < 4; ++u) {
+          const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * u)));
+          acc[2 * u] = _mm256_add_epi32(acc[2 * u], _mm256_madd_epi16(v, even));
+          acc[2 * u + 1] = _mm256_add_epi32(acc[2 * u + 1], _mm256_madd_epi16(v, odd));
+        }
       }
+      const __m256 scale = _mm256_set1_ps(row_scale);
+      for (int u = 0; u < 4; ++u)
+        add_scaled(y + r * l.padded + g + 16 * u, acc[2 * u], acc[2 * u + 1], block + l.d_at(g + 16 * u), scale);
     }
-    for (int u = 0; u < 4; ++u) add_scaled(y + g + 16 * u, acc[2 * u], acc[2 * u + 1], block + l.d_at(g + 16 * u), scale);
   }
 }
 
@@ -187,10 +226,23 @@ void dequantize_block(const RunLayout& l, const uint8_t* block, int64_t o0, floa
   scalar::dequantize_block(l, block, std::max(o0, whole), out, ld);
 }
 
-void add_runs(const RunLayout& l, const uint8_t* runs, const RowSelection& s, int64_t i0, int64_t i1, float* y) {
-  for (int64_t i = i0; i < i1; ++i) {
-    if (l.form == RunForm::Q8) add_q8_block(l, runs, s, i, i1, y);
-    else add_q4_block(l, runs, s, i, i1, y);
+template <int R>
+void add_q4_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
+  alignas(32) int16_t acc[R * CHUNK];
+  for (int64_t i = i0; i < i1; ++i) add_q4_block<R>(l, runs, s, i, y, acc);
+}
+
+void add_runs(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
+  if (l.form == RunForm::Q8) {
+    for (int64_t i = i0; i < i1; ++i) add_q8_block(l, runs, s, i, i1, y);
+    return;
+  }
+  static_assert(MAX_GROUP_ROWS == 4, "one 4-bit kernel per group size");
+  switch (s.rows) {
+    case 1: return add_q4_blocks<1>(l, runs, s, i0, i1, y);
+    case 2: return add_q4_blocks<2>(l, runs, s, i0, i1, y);
+    case 3: return add_q4_blocks<3>(l, runs, s, i0, i1, y);
+    default: return add_q4_blocks<4>(l, runs, s, i0, i1, y);
   }
 }
 
