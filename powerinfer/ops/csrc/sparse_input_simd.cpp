@@ -4,12 +4,15 @@
 //   hardware prefetchers follow a run, and adjacent runs; the start of a run after a skipped one is
 //   fetched ahead); the two channels' nibbles interleaved byte by byte, `_mm256_maddubs_epi16` by a
 //   row's [k_j, k_j+1] byte pairs sums both channels' products for 16 outputs.
-//   Q8: per step of 64 outputs, eight int32 vectors in registers, each run's line a few steps
-//   ahead fetched (`_mm256_madd_epi16` on [k, 0] and [0, k] pairs, q8_slot's order).
+//   Q8: the same, with int32 sums: both channels' bytes sign-extended to int16 and interleaved meet
+//   a row's [k_j, k_j+1] in one `_mm256_madd_epi16`.
 // Then the sums meet the block's scales once per output.
-// Measured on the 7B shapes (AMD EPYC Zen 3, 2 threads, one row, from memory), the 4-bit chunked
-// kernel and a register-step one like Q8's were alike at 40-50 % skipped; the chunked one ran at
-// 0.7x the dense kernel with nothing skipped, the other at 0.6x.
+// Measured on the 7B shapes (AMD EPYC Zen 3, 2 threads, one row, from memory, a block's four linears
+// Q4_0): channels one pair per pass over the sums ran at 0.70x the dense kernel with nothing skipped,
+// 1.04x at 40 %, 1.17x at 50 %; two pairs per pass 0.95x, 1.32-1.39x, 1.54-1.59x; four pairs alike
+// at one row, slower for groups of rows. A register-step kernel (all of a block's active runs per 64
+// outputs, sums in registers) ran at 0.6x with nothing skipped, and Q8 that way at 0.47x on a
+// 262k-output head (now 0.9x, and 1.25x at 30 % skipped).
 #include "sparse_input.h"
 
 #ifdef POWERINFER_X86
@@ -20,10 +23,6 @@
 POWERINFER_TARGET_AVX2
 namespace powerinfer::avx2 {
 namespace {
-
-// Q8 steps fetched ahead in each run (measured on the 7B shapes, 2 threads, 50 % skipped, with the
-// 4-bit kernel in the same form: 2 steps beat 4, 8 and 16).
-constexpr int64_t AHEAD = 2;
 
 // 8 float16 values at p as float32
 inline __m256 halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -45,22 +44,6 @@ inline void add_minimum(float* y, const uint8_t* d, const uint8_t* m, __m256 rou
   }
 }
 
-// One cache line into L1 (an asm statement: see prefetch_line in common.h).
-inline void fetch_line(const uint8_t* p) { asm volatile("prefetcht0 (%0)" : : "r"(p)); }
-// Q8: the lines of every active run (and of the scales) that step `at_byte` of block i reads; past
-// the runs' end, the next block's.
-inline void prefetch_q8_step(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t i1,
-                             int64_t at_byte) {
-  if (at_byte >= l.run_bytes()) {
-    if (++i >= i1) return;
-    at_byte -= l.run_bytes();
-  }
-  const uint8_t* block = runs + s.blocks[i] * l.block_bytes();
-  for (int32_t j = s.start[i]; j < s.start[i + 1]; ++j) fetch_line(block + l.run_at(s.channel[j]) + at_byte);
-  fetch_line(block + l.d_at(at_byte));  // 64 outputs' float16 scales: two lines
-  fetch_line(block + l.d_at(at_byte) + 64);
-}
-
 // Outputs per chunk of the 4-bit kernel: their int16 sums (16 KB) stay in L1 while each active
 // channel's piece of run (4 KB: a page, the least that skipping saves whole) streams past (a whole
 // run per chunk, its sums in L2, measured alike).
@@ -71,6 +54,26 @@ constexpr int64_t CHUNK = 8192;
 // piece whole, and nothing: the whole pieces were slowest, nothing slower than this on the 2 KB runs
 // of an 11008 -> 4096 linear).
 constexpr int64_t STREAM_START = 512;
+
+// Channels per pass over the sums (two pairs): the sums are loaded and stored once per four.
+constexpr int GROUP = 4;
+
+// Channels [j, j + GROUP) of a block: their runs at byte `at` (past j1, channel j's: its k is 0 there).
+inline void group_runs(const RunLayout& l, const uint8_t* block, const Selection& s, int32_t j, int32_t j1, int64_t at,
+                       const uint8_t* w[GROUP]) {
+  for (int p = 0; p < GROUP; ++p) w[p] = block + l.run_at(s.channel[j + p < j1 ? j + p : j]) + at;
+}
+
+// Row r's k of channel c, 0 past j1.
+inline int8_t k_of(const Selection& s, int32_t c, int32_t j1, int r) { return c < j1 ? s.k[c * s.rows + r] : 0; }
+
+// The next group's runs that start a new stream (that do not follow the run before them): their first
+// `bytes` from byte `at` fetched ahead; the hardware prefetchers follow the rest, and adjacent runs.
+inline void fetch_stream_starts(const RunLayout& l, const uint8_t* block, const Selection& s, int32_t j, int32_t j1,
+                                int64_t at, int64_t bytes) {
+  for (int32_t m = j + GROUP; m < std::min(j + 2 * GROUP, j1); ++m)
+    if (s.channel[m] != s.channel[m - 1] + 1) prefetch(block + l.run_at(s.channel[m]) + at, bytes);
+}
 
 // The sums of 32 outputs from their two int16 vectors (lo, hi: the unpacked halves, slot order
 // [0 16 1 17 2 18 3 19 | 8 24 ... 11 27] and [4 20 ... 7 23 | 12 28 ... 15 31]) as four int32
@@ -84,10 +87,10 @@ inline void in_order(__m256i lo, __m256i hi, __m256i q[4]) {
   q[3] = _mm256_permute2x128_si256(lo_odd, hi_odd, 0x31);
 }
 
-// 4-bit runs, R rows. Channels go two at a time: their nibbles interleaved byte by byte (channel j,
-// channel j + 1 for the same output), so that one `_mm256_maddubs_epi16` by the byte pairs
-// [k_j, k_j+1] of a row sums both channels' products for 16 outputs; the unpacking is shared by
-// the rows. acc: R * CHUNK int16 (a row's sums in slot order, see in_order).
+// 4-bit runs, R rows. Channels go GROUP at a time, in pairs: a pair's nibbles interleaved byte by
+// byte (channel j, channel j + 1 for the same output), so that one `_mm256_maddubs_epi16` by the
+// byte pairs [k_j, k_j+1] of a row sums both channels' products for 16 outputs; the unpacking is
+// shared by the rows. acc: CHUNK int16 (per row a chunk's sums, in slot order: see in_order).
 template <int R>
 void add_q4_block(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, float* y, int16_t* acc) {
   const uint8_t* block = runs + s.blocks[i] * l.block_bytes();
@@ -102,29 +105,31 @@ void add_q4_block(const RunLayout& l, const uint8_t* runs, const Selection& s, i
       const __m256i init = _mm256_set1_epi16(static_cast<int16_t>(-8 * k_sum[r]));  // wraps: the sums fit int16
       for (int64_t o = 0; o < n; o += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(acc + r * chunk + o), init);
     }
-    for (int32_t j = j0; j < j1; j += 2) {
-      // a run that does not follow the one before it starts a new stream: its first lines fetched
-      // ahead (the hardware prefetchers follow the rest, and would follow adjacent runs alone)
-      for (int32_t m = j + 2; m < std::min(j + 4, j1); ++m)
-        if (s.channel[m] != s.channel[m - 1] + 1) prefetch(block + l.run_at(s.channel[m]) + c0 / 2, std::min(n / 2, STREAM_START));
-      const bool pair = j + 1 < j1;
-      const uint8_t* w0 = block + l.run_at(s.channel[j]) + c0 / 2;
-      const uint8_t* w1 = pair ? block + l.run_at(s.channel[j + 1]) + c0 / 2 : w0;
-      __m256i k[R];
-      for (int r = 0; r < R; ++r) {
-        const uint16_t k0 = static_cast<uint8_t>(s.k[j * R + r]), k1 = pair ? static_cast<uint8_t>(s.k[(j + 1) * R + r]) : 0;
-        k[r] = _mm256_set1_epi16(static_cast<int16_t>(k0 | k1 << 8));
-      }
+    for (int32_t j = j0; j < j1; j += GROUP) {
+      fetch_stream_starts(l, block, s, j, j1, c0 / 2, std::min(n / 2, STREAM_START));
+      const uint8_t* w[GROUP];
+      group_runs(l, block, s, j, j1, c0 / 2, w);
+      __m256i k[2][R];  // per pair and row: [k_j, k_j+1] as bytes
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) {
+          const uint16_t k0 = static_cast<uint8_t>(k_of(s, j + 2 * h, j1, r)), k1 = static_cast<uint8_t>(k_of(s, j + 2 * h + 1, j1, r));
+          k[h][r] = _mm256_set1_epi16(static_cast<int16_t>(k0 | k1 << 8));
+        }
       for (int64_t g = 0; g < n; g += 64) {
-        const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w0 + g / 2));
-        const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w1 + g / 2));
-        const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-        const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
-        const __m256i both[4] = {_mm256_unpacklo_epi8(lo0, lo1), _mm256_unpackhi_epi8(lo0, lo1),
-                                 _mm256_unpacklo_epi8(hi0, hi1), _mm256_unpackhi_epi8(hi0, hi1)};
+        __m256i both[2][4];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[2 * h] + g / 2));
+          const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[2 * h + 1] + g / 2));
+          const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+          const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+          both[h][0] = _mm256_unpacklo_epi8(lo0, lo1), both[h][1] = _mm256_unpackhi_epi8(lo0, lo1);
+          both[h][2] = _mm256_unpacklo_epi8(hi0, hi1), both[h][3] = _mm256_unpackhi_epi8(hi0, hi1);
+        }
         for (int r = 0; r < R; ++r) {
           __m256i* a = reinterpret_cast<__m256i*>(acc + r * chunk + g);
-          for (int u = 0; u < 4; ++u) a[u] = _mm256_add_epi16(a[u], _mm256_maddubs_epi16(both[u], k[r]));
+          for (int u = 0; u < 4; ++u)
+            a[u] = _mm256_add_epi16(a[u], _mm256_add_epi16(_mm256_maddubs_epi16(both[0][u], k[0][r]),
+                                                           _mm256_maddubs_epi16(both[1][u], k[1][r])));
         }
       }
     }
@@ -149,31 +154,65 @@ void add_q4_block(const RunLayout& l, const uint8_t* runs, const Selection& s, i
   }
 }
 
-// Q8 runs: per step of 64 outputs and per row, eight int32 vectors in registers (the step's pieces
-// of run stay in L1 for the next row).
-void add_q8_block(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t i1, float* y) {
+// Q8 outputs per chunk: their int32 sums (16 KB, of all rows of the group) stay in L1.
+constexpr int64_t Q8_CHUNK = 4096;
+
+// The sums of 16 outputs from the two int32 vectors of the Q8 kernel (slot order [0 8 1 9 | 4 12 5 13]
+// and [2 10 3 11 | 6 14 7 15]) as outputs 0-7 and 8-15.
+inline void q8_in_order(__m256i a, __m256i b, __m256i& first, __m256i& second) {
+  a = _mm256_shuffle_epi32(a, 0xD8);  // [0 1 8 9 | 4 5 12 13]
+  b = _mm256_shuffle_epi32(b, 0xD8);  // [2 3 10 11 | 6 7 14 15]
+  first = _mm256_unpacklo_epi64(a, b);
+  second = _mm256_unpackhi_epi64(a, b);
+}
+
+// Q8 runs, R rows, as the 4-bit kernel: per chunk of outputs, channels GROUP at a time stream past
+// the rows' int32 sums in L1; each 16 outputs of a pair of channels, sign-extended to int16 and interleaved
+// (channel j, channel j + 1 for the same output), meet a row's [k_j, k_j+1] pairs in one
+// `_mm256_madd_epi16`. acc: Q8_CHUNK int32 (per row a chunk's sums, in slot order: see q8_in_order).
+template <int R>
+void add_q8_block(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, float* y, int32_t* acc) {
   const uint8_t* block = runs + s.blocks[i] * l.block_bytes();
   const int32_t j0 = s.start[i], j1 = s.start[i + 1];
-  for (int64_t g = 0; g < l.padded; g += 64) {
-    prefetch_q8_step(l, runs, s, i, i1, g + AHEAD * 64);
-    for (int r = 0; r < s.rows; ++r) {
-      const float row_scale = s.scale[i * s.rows + r];
-      if (row_scale == 0.0f) continue;
-      __m256i acc[8];
-      for (auto& a : acc) a = _mm256_setzero_si256();
-      for (int32_t j = j0; j < j1; ++j) {
-        const uint8_t* w = block + l.run_at(s.channel[j]) + g;
-        const uint32_t k = static_cast<uint16_t>(static_cast<int16_t>(s.k[j * s.rows + r]));
-        const __m256i even = _mm256_set1_epi32(static_cast<int32_t>(k)), odd = _mm256_set1_epi32(static_cast<int32_t>(k << 16));
-        for (int u = 0; u < 4; ++u) {
-          const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * u)));
-          acc[2 * u] = _mm256_add_epi32(acc[2 * u], _mm256_madd_epi16(v, even));
-          acc[2 * u + 1] = _mm256_add_epi32(acc[2 * u + 1], _mm256_madd_epi16(v, odd));
+  const float* scale = &s.scale[i * R];
+  constexpr int64_t chunk = Q8_CHUNK / R / RUN_GROUP * RUN_GROUP;
+  for (int64_t c0 = 0; c0 < l.padded; c0 += chunk) {
+    const int64_t n = std::min(chunk, l.padded - c0);
+    std::fill(acc, acc + R * chunk, 0);
+    for (int32_t j = j0; j < j1; j += GROUP) {
+      fetch_stream_starts(l, block, s, j, j1, c0, std::min(n, STREAM_START));
+      const uint8_t* w[GROUP];
+      group_runs(l, block, s, j, j1, c0, w);
+      __m256i k[2][R];  // per pair and row: [k_j, k_j+1] as int16
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) {
+          const uint32_t k0 = static_cast<uint16_t>(k_of(s, j + 2 * h, j1, r)), k1 = static_cast<uint16_t>(k_of(s, j + 2 * h + 1, j1, r));
+          k[h][r] = _mm256_set1_epi32(static_cast<int32_t>(k0 | k1 << 16));
+        }
+      for (int64_t g = 0; g < n; g += 16) {
+        __m256i lo[2], hi[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v0 = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(w[2 * h] + g)));
+          const __m256i v1 = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(w[2 * h + 1] + g)));
+          lo[h] = _mm256_unpacklo_epi16(v0, v1), hi[h] = _mm256_unpackhi_epi16(v0, v1);
+        }
+        for (int r = 0; r < R; ++r) {
+          __m256i* a = reinterpret_cast<__m256i*>(acc + r * chunk + g);
+          a[0] = _mm256_add_epi32(a[0], _mm256_add_epi32(_mm256_madd_epi16(lo[0], k[0][r]), _mm256_madd_epi16(lo[1], k[1][r])));
+          a[1] = _mm256_add_epi32(a[1], _mm256_add_epi32(_mm256_madd_epi16(hi[0], k[0][r]), _mm256_madd_epi16(hi[1], k[1][r])));
         }
       }
-      const __m256 scale = _mm256_set1_ps(row_scale);
-      for (int u = 0; u < 4; ++u)
-        add_scaled(y + r * l.padded + g + 16 * u, acc[2 * u], acc[2 * u + 1], block + l.d_at(g + 16 * u), scale);
+    }
+    for (int r = 0; r < R; ++r) {
+      if (scale[r] == 0.0f) continue;  // nothing of this row in the block
+      const __m256 row_scale = _mm256_set1_ps(scale[r]);
+      float* yr = y + r * l.padded;
+      for (int64_t g = 0; g < n; g += 16) {
+        __m256i first, second;
+        q8_in_order(_mm256_load_si256(reinterpret_cast<const __m256i*>(acc + r * chunk + g)),
+                    _mm256_load_si256(reinterpret_cast<const __m256i*>(acc + r * chunk + g + 8)), first, second);
+        add_scaled(yr + c0 + g, first, second, block + l.d_at(c0 + g), row_scale);
+      }
     }
   }
 }
@@ -227,22 +266,23 @@ void dequantize_block(const RunLayout& l, const uint8_t* block, int64_t o0, floa
 }
 
 template <int R>
-void add_q4_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
-  alignas(32) int16_t acc[R * CHUNK];
-  for (int64_t i = i0; i < i1; ++i) add_q4_block<R>(l, runs, s, i, y, acc);
+void add_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
+  if (l.form == RunForm::Q8) {
+    alignas(32) int32_t acc[Q8_CHUNK];
+    for (int64_t i = i0; i < i1; ++i) add_q8_block<R>(l, runs, s, i, y, acc);
+  } else {
+    alignas(32) int16_t acc[CHUNK];
+    for (int64_t i = i0; i < i1; ++i) add_q4_block<R>(l, runs, s, i, y, acc);
+  }
 }
 
 void add_runs(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
-  if (l.form == RunForm::Q8) {
-    for (int64_t i = i0; i < i1; ++i) add_q8_block(l, runs, s, i, i1, y);
-    return;
-  }
-  static_assert(MAX_GROUP_ROWS == 4, "one 4-bit kernel per group size");
+  static_assert(MAX_GROUP_ROWS == 4, "one kernel per group size");
   switch (s.rows) {
-    case 1: return add_q4_blocks<1>(l, runs, s, i0, i1, y);
-    case 2: return add_q4_blocks<2>(l, runs, s, i0, i1, y);
-    case 3: return add_q4_blocks<3>(l, runs, s, i0, i1, y);
-    default: return add_q4_blocks<4>(l, runs, s, i0, i1, y);
+    case 1: return add_blocks<1>(l, runs, s, i0, i1, y);
+    case 2: return add_blocks<2>(l, runs, s, i0, i1, y);
+    case 3: return add_blocks<3>(l, runs, s, i0, i1, y);
+    default: return add_blocks<4>(l, runs, s, i0, i1, y);
   }
 }
 
