@@ -229,8 +229,8 @@ def linear_bytes_read(llm) -> float:
     from powerinfer.sparse.columns import ColumnLinear
     from powerinfer.sparse.sites import model_sites
 
-    total = float(llm.model.output.nbytes)
-    for site in model_sites(llm.model):
+    total = 0.0
+    for site in model_sites(llm.model):  # the head is a site
         linear = site.linear
         if isinstance(linear, ColumnLinear):
             total += linear.nbytes * linear.last_selected / linear.in_features

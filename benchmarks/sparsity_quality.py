@@ -1,16 +1,16 @@
-"""Quality (and decode speed) of TEAL-style input sparsity on every block linear, measured on the
-sparsified files themselves.
+"""Quality (and decode speed) of TEAL-style input sparsity on every block linear and the output head,
+measured on the sparsified files themselves.
 
 For each model: one calibration on wikitext-2 valid.txt only, with `powerinfer sparsify`'s defaults
-(`calibration_of`); from it, for each allocation method and target, the file `sparsify` writes
-(`write_sparsified` with `all_sites`: the source's tensors and thresholds for every skipping site,
-whatever this CPU's timings say pays), and
-the file at sparsify's default operating point (its default target: the largest sparsity within
-DEFAULT_MAX_PPL_INCREASE of the dense perplexity on the calibration text). Each file's perplexity
-on test.txt (llama.cpp's method, c=512) is measured through the engine, `LLM(file)` with
-`sparsity="auto"`: what decode computes (the channel runs hold the source's own weights). The dense row is the
-source file itself. The measured sparsity is the share of the block linears' weights each token
-skipped on the test text (a site whose share does not pay stays dense and counts as 0).
+(`calibration_of`); from it, for each allocation method and target, the file `sparsify --all-sites`
+writes (`write_sparsified` with `all_sites`: the source's tensors and thresholds for every skipping
+site, whatever this CPU's timings say pays), and the file `powerinfer sparsify` writes by default on
+this machine (the largest target within DEFAULT_MAX_PPL_INCREASE of the dense perplexity on the
+calibration text, spread over the sites whose skipping pays here). Each file's perplexity on
+test.txt (llama.cpp's method, c=512) is measured through the engine, `LLM(file)` with
+`sparsity="auto"`: what decode computes (the channel runs hold the source's own weights). The dense
+row is the source file itself. The measured sparsity is the share of the sites' weights (block
+linears and head) each token skipped on the test text (a site without thresholds counts as 0).
 
     .venv/bin/python benchmarks/sparsity_quality.py --model smollm2 --model gemma3-270m --chunks 100 \\
         --cache ~/.cache/powerinfer/bench/sparse/rows [--speed]
@@ -21,7 +21,7 @@ digest of the calibration's inputs (source name and size, calibration text, toke
 and target, and reused when present (clear the folder after a change to sparsify's output).
 `--speed`: also decode tok/s (greedy single-token steps after a short prompt, median of `--reps`
 runs after a warm-up) and the weight bytes read per token (the sparse linears' selected channels,
-the other linears and the output head whole), one file loaded at a time.
+the other linears whole), one file loaded at a time.
 Writes benchmarks/results/sparsity_quality.md and benchmarks/results/sparsity_quality.png (`-o`, `--plot`).
 """
 
@@ -45,7 +45,8 @@ from powerinfer.sparse.allocate import Allocator
 from powerinfer.sparse.calibrate import DEFAULT_TOKENS
 from powerinfer.sparse.columns import ColumnLinear
 from powerinfer.sparse.sites import model_sites
-from powerinfer.sparse.sparsify import DEFAULT_MAX_PPL_INCREASE, Target, calibration_of, write_sparsified
+from powerinfer.sparse.payoff import BreakEven
+from powerinfer.sparse.sparsify import DEFAULT_MAX_PPL_INCREASE, Target, calibration_of, taking_part, write_sparsified
 from powerinfer.sparse.storage import TARGET_KEY
 from powerinfer.tools.perplexity import chunks_of
 
@@ -91,9 +92,10 @@ class Calibrated:
     def __init__(self, source: Path, threads: int):
         self.source, self.threads = source, threads
         self.text = wikitext("valid.txt")
-        # "all-sites": every skipping site given its thresholds (sparsify's all_sites), whatever this CPU's
-        # timings say pays, so that the figures are the allocation's on any machine
-        inputs = (f"all-sites {source.name} {source.stat().st_size} {DEFAULT_TOKENS} "
+        # "all-sites": every skipping site (the head's too) given its thresholds (sparsify's all_sites),
+        # whatever this CPU's timings say pays, so that the figures are the allocation's on any machine;
+        # the default point is what `powerinfer sparsify` writes on this one
+        inputs = (f"all-sites+head {source.name} {source.stat().st_size} {DEFAULT_TOKENS} "
                   f"{hashlib.sha256(self.text.encode()).hexdigest()}")
         self.digest = hashlib.sha256(inputs.encode()).hexdigest()[:10]
 
@@ -102,17 +104,34 @@ class Calibrated:
         return LLM(str(self.source), threads=self.threads, sparsity="off")  # as the sparsify command loads it
 
     @cached_property
+    def calibration(self):
+        return calibration_of(self.llm, self.text)
+
+    @cached_property
     def allocator(self):
-        return Allocator(calibration_of(self.llm, self.text))
+        return Allocator(self.calibration)
+
+    @cached_property
+    def break_even(self):
+        return BreakEven()
+
+    @cached_property
+    def paying_allocator(self):
+        """sparsify's: the target spread over the sites whose skipping pays on this machine."""
+        return Allocator(self.calibration, taking_part=taking_part(self.calibration.sites, self.break_even))
 
     def file(self, method: str, target: float | None) -> Path:
-        """The sparsified file for `method` at `target` (None: sparsify's default target), written if missing."""
+        """The sparsified file for `method` at `target` (None: sparsify's default point, written as the
+        command writes it on this machine), written if missing."""
         name = f"{method}-{round(100 * target)}" if target is not None else "default"
         path = SPARSE_FILES / f"{self.source.stem}.{self.digest}.{name}.gguf"
         if not path.exists():
             SPARSE_FILES.mkdir(parents=True, exist_ok=True)
             print(f"writing {path}", file=sys.stderr)
-            write_sparsified(self.llm, self.allocator, path, Target(sparsity=target), method, all_sites=True)
+            if target is None:
+                write_sparsified(self.llm, self.paying_allocator, path, Target(), method, break_even=self.break_even)
+            else:
+                write_sparsified(self.llm, self.allocator, path, Target(sparsity=target), method, all_sites=True)
         return path
 
 
@@ -123,7 +142,8 @@ def target_of(path: Path) -> float:
 
 class SelectionCounter:
     """Logits of a file through the engine (one forward per chunk), counting after each forward the
-    channels each sparse linear selected: the model-wide share of block-linear weights skipped."""
+    channels each sparse linear selected: the model-wide share of the sites' weights (block linears
+    and head) skipped."""
 
     def __init__(self, path: Path, threads: int):
         self.llm = LLM(str(path), n_ctx=N_CTX, n_batch=N_CTX, threads=threads)
@@ -181,7 +201,7 @@ def measure_model(name: str, n_chunks: int, args) -> tuple[str, list[Row]]:
     # run cut short has the issue's figures first; shown by method and target
     rows = [(Row("dense", "dense", 0.0, lambda: source), f"{source.stem} dense")]
     if args.default_point:
-        rows.append((Row(f"default (blockwise, ≤ {DEFAULT_MAX_PPL_INCREASE}x PPL on valid)", "default", None,
+        rows.append((Row(f"sparsify default (≤ {DEFAULT_MAX_PPL_INCREASE}x PPL on valid, sites that pay here)", "default", None,
                          partial(calibrated.file, "blockwise", None)), f"{source.stem} {calibrated.digest} default"))
     for target in args.targets:
         for method in args.methods:
@@ -216,8 +236,8 @@ def write_results(results: dict[str, list[Row]], args, output: Path) -> None:
     ]
     if speed:
         lines += [f"Decode: {args.threads} threads, {args.n_gen} greedy tokens after a short prompt, median of "
-                  f"{args.reps} runs after a warm-up, one file at a time. MB/token: the block linears' selected "
-                  "channels and other weights plus the output head, mean over the decoded tokens.", ""]
+                  f"{args.reps} runs after a warm-up, one file at a time. MB/token: the sparse linears' (block and head) "
+                  "selected channels and the other linears whole, mean over the decoded tokens.", ""]
     for model, rows in results.items():
         base = rows[0]
         header = "| row | method | target | sparsity | PPL | ± | × dense |"

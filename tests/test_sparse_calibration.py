@@ -26,7 +26,7 @@ from powerinfer.sparse.allocate import (
     global_sparsities,
 )
 from powerinfer.sparse.calibrate import calibrate, calibration_chunks
-from powerinfer.sparse.sites import SITE_KINDS, masked, model_sites, tapped
+from powerinfer.sparse.sites import HEAD, SITE_KINDS, masked, model_sites, tapped
 
 from conftest import convert_each, make_tiny_llama
 from tiny_architectures import N_CTX, VOCAB, make
@@ -97,6 +97,8 @@ def test_masked_model_equals_transformers_with_the_same_masks(tiny, calibrated, 
             for name in names:
                 module = hf_layer.get_submodule(name)
                 hooks.append(module.register_forward_pre_hook(lambda m, args, t=t: (args[0] * (args[0].abs() > t),)))
+    head = allocation.sites[HEAD].thresholds  # the head is a site too
+    hooks.append(hf.lm_head.register_forward_pre_hook(lambda m, args: (args[0] * (args[0].abs() > head),)))
     ids = random_ids(N_CTX - 8, seed=2)
     try:
         with torch.inference_mode():
@@ -138,9 +140,28 @@ def test_allocation_hits_its_target(calibrated, allocators, method):
         assert skipped_fraction(calibration, allocation.thresholds) == pytest.approx(target, abs=0.02)
 
 
+def layer_sites(calibration, layer: int) -> list:
+    return [s for s in calibration.sites if s.layer == layer]
+
+
+def test_only_the_sites_taking_part_get_a_share(calibrated):
+    """sparsify spreads the target over the sites whose skipping pays; the others stay dense, and
+    the head (outside every block) takes the target."""
+    _, calibration = calibrated
+    part = ["blk.1.ffn_in", "blk.1.ffn_down", HEAD]
+    allocator = Allocator(calibration, "wina", progress=False, taking_part=part)
+    for method in ("uniform", "blockwise", "global"):
+        allocation = allocator.allocate(0.4, method)
+        assert set(allocation.sites) == {s.name for s in calibration.sites}
+        assert all(a.sparsity == 0 for name, a in allocation.sites.items() if name not in part)
+        assert allocation.sites[HEAD].sparsity == pytest.approx(0.4)
+        blocks = sum(allocation.sites[n].sparsity * allocation.weights[n] for n in part[:2])
+        assert blocks == pytest.approx(0.4 * sum(allocation.weights[n] for n in part[:2]), rel=0.01)
+
+
 def test_greedy_is_deterministic(calibrated, allocators):
     model, calibration = calibrated
-    again = block_curve(calibration, 1, "wina", model.new_cache(N_CTX, 1, "f32"))
+    again = block_curve(calibration, 1, layer_sites(calibration, 1), "wina", model.new_cache(N_CTX, 1, "f32"))
     assert again.points == allocators["wina"].curves[1].points and again.errors == allocators["wina"].curves[1].errors
 
 
@@ -150,7 +171,7 @@ def test_allocation_has_less_block_error_than_uniform(calibrated, allocators):
     model, calibration = calibrated
     assert all(c.errors[0] == 0.0 and len(c.points) == 1 + 4 * 9 for c in allocators["wina"].curves)
     cache = model.new_cache(N_CTX, 1, "f32")
-    probes = [BlockProbe(calibration, layer, cache) for layer in range(len(model.blocks))]
+    probes = [BlockProbe(calibration, layer, layer_sites(calibration, layer), cache) for layer in range(len(model.blocks))]
     total_error = {}
     for method in ("uniform", "global"):
         allocation = allocators["wina"].allocate(0.5, method)
@@ -166,7 +187,7 @@ def test_greedy_prefers_the_site_whose_masking_costs_less(tiny):
     site = next(s for s in model_sites(model) if s.name == "blk.0.attn_out")
     site.put(DenseLinear(torch.zeros(site.linear.out_features, site.linear.in_features)))
     calibration = calibrate(model, calibration_chunks(random_ids(1024), None, chunk=CHUNK), progress=False)
-    curve = block_curve(calibration, 0, "teal", model.new_cache(N_CTX, 1, "f32"))
+    curve = block_curve(calibration, 0, layer_sites(calibration, 0), "teal", model.new_cache(N_CTX, 1, "f32"))
     assert curve.points[18] == {"attn_in": pytest.approx(0.9), "attn_out": pytest.approx(0.9), "ffn_in": 0.0,
                                 "ffn_down": 0.0}
     assert curve.errors[18] == 0.0 and curve.errors[19] > 0.0
@@ -203,7 +224,8 @@ def test_bad_targets_are_refused(calibrated, allocators):
 
 def test_max_perplexity_increase_finds_the_largest_target_within_it(calibrated, allocators):
     _, calibration = calibrated
-    allocator = allocators["wina"]
+    # the block sites: masking this random tiny model's head lowers its perplexity on random ids
+    allocator = Allocator(calibration, "wina", progress=False, taking_part=[s.name for s in calibration.sites if s.layer is not None])
     chunks = calibration.chunks[:2]
     dense = calibration_perplexity(calibration, None, chunks)
     allocation = allocator.within_perplexity(1.02, chunks=2)

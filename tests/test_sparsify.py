@@ -27,7 +27,7 @@ from powerinfer.gguf import open_gguf
 from powerinfer.sparse import sparsify as sparsify_module
 from powerinfer.sparse.allocate import Allocator
 from powerinfer.sparse.payoff import NEVER, BreakEven
-from powerinfer.sparse.sites import masked, model_sites
+from powerinfer.sparse.sites import HEAD, masked, model_sites
 from powerinfer.sparse.sparsify import Target, calibration_of, sparsify, write_sparsified
 from powerinfer.sparse.storage import THRESHOLDS_SUFFIX
 from powerinfer.tokenizer import Tokenizer
@@ -196,3 +196,24 @@ def test_sites_whose_skipping_does_not_pay_run_dense(tmp_path, default_model, mo
     names = {t.name for t in GGUFReader(output).tensors}
     assert names == {t.name for t in GGUFReader(source).tensors}
     assert "runs every linear dense" in capsys.readouterr().err
+
+
+def test_the_quality_budget_goes_to_the_sites_that_pay(tmp_path, default_model, monkeypatch):
+    """Where only the output head's skipping pays (its runs are a vocabulary long), sparsify spreads
+    the target over the head alone: the file holds `output.thresholds` only, skipping the target's
+    share of the head's channels, and decodes as its masked-dense form."""
+    monkeypatch.setattr(sparsify_module, "BreakEven", lambda: BreakEven(lambda shape: 0.1 if shape.rows[0][1] == VOCAB else NEVER))
+    source = save_tiny(tmp_path, "llama", default_model)
+    output = tmp_path / "sparse.gguf"
+    allocation = sparsify(LLM(source, sparsity="off"), CALIBRATION.read_text(), output, Target(sparsity=0.4),
+                          n_tokens=1024, progress=False)
+    names = {t.name for t in GGUFReader(output).tensors}
+    assert names - {t.name for t in GGUFReader(source).tensors} == {HEAD + THRESHOLDS_SUFFIX}
+    assert allocation.sites[HEAD].sparsity == pytest.approx(0.4)
+    assert all(a.sparsity == 0 for name, a in allocation.sites.items() if name != HEAD)
+    sparse, dense = LLM(output), LLM(output, sparsity="off")
+    ids = sparse.tokenize(PROMPT)[:12]
+    thresholds = {HEAD: torch.from_numpy(np.array(open_gguf(output).tensor(HEAD + THRESHOLDS_SUFFIX).data, dtype=np.float32))}
+    with masked(model_sites(dense.model), thresholds):
+        expected = decode_logits(dense, ids)
+    assert (decode_logits(sparse, ids) - expected).abs().max() < 1e-2 * expected.abs().max()

@@ -26,7 +26,8 @@ def build_parser() -> OneLineParser:
                         help="calibration tokens (default: %(default)s)")
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--target-sparsity", type=unit_interval,
-                        help="fraction of the block weights to skip per token, spread across layers and projections")
+                        help="fraction of the weights to skip per token, spread across layers and projections, at the "
+                             "sites (block linears, output head) whose skipping pays on this CPU (every site with --all-sites)")
     target.add_argument("--max-ppl-increase", type=number(float, 1), metavar="FACTOR",
                         help="the most sparsity whose perplexity on the calibration text stays within FACTOR times the "
                              f"dense model's (default: {DEFAULT_MAX_PPL_INCREASE} unless --target-sparsity is given)")
@@ -48,7 +49,8 @@ def main(args: argparse.Namespace) -> int:
     llm = LLM(model_path(args), threads=args.threads, sparsity="off")  # calibrated dense
     allocation = sparsify(llm, text, args.output, Target(args.target_sparsity, args.max_ppl_increase), args.force,
                           args.tokens, args.allocation, all_sites=args.all_sites)
-    print(f"wrote {args.output}: thresholds for {allocation.sparsity:.1%} of the block weights skipped per token on the "
-          f"calibration text ({allocation.criterion} thresholds, {allocation.method} allocation), kept where skipping "
-          "pays on this CPU", file=sys.stderr)
+    where = "every site that skips" if args.all_sites else "the sites whose skipping pays on this CPU"
+    print(f"wrote {args.output}: {allocation.sparsity:.1%} of the linears' weights (blocks and output head) skipped per "
+          f"token on the calibration text, at {where} ({allocation.criterion} thresholds, {allocation.method} "
+          "allocation)", file=sys.stderr)
     return 0

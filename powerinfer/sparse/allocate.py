@@ -1,7 +1,11 @@
 """Allocation: a model-level target sparsity spread across layers and sites.
 
-Model-level sparsity is the fraction of the block linears' weights not read per token: each site's
-sparsity weighted by its linear's weight count.
+Model-level sparsity is the fraction of the sites' weights (the block linears' and the head's) not
+read per token: each site's sparsity weighted by its linear's weight count.
+
+Only the sites taking part (`Allocator(taking_part=...)`: sparsify names those whose skipping pays
+on this machine) get a share; the others stay dense. The head is outside every block: it is put at
+the target in every method (no block error measures it).
 
 Methods (METHODS):
 - "uniform": every site at the target (TEAL's baseline);
@@ -24,6 +28,7 @@ stream has large outlier channels in some layers, which make their relative erro
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,7 +38,7 @@ from tqdm import tqdm
 from powerinfer.errors import PowerInferError
 from powerinfer.runtime.kv_cache import SeqSpan
 from powerinfer.sparse.calibrate import CRITERIA, Calibration, Criterion, new_cache
-from powerinfer.sparse.sites import SITE_KINDS, masked, site_name
+from powerinfer.sparse.sites import SITE_KINDS, Site, masked, site_name
 from powerinfer.tools.perplexity import perplexity
 
 Method = Literal["uniform", "blockwise", "global"]
@@ -65,7 +70,7 @@ class Allocation:
 
     @property
     def sparsity(self) -> float:
-        """Expected model-level sparsity: the fraction of the block linears' weights not read."""
+        """Expected model-level sparsity: the fraction of the sites' weights not read."""
         return sum(a.sparsity * self.weights[n] for n, a in self.sites.items()) / sum(self.weights.values())
 
     @property
@@ -114,11 +119,10 @@ class BlockCurve:
 
 class BlockProbe:
     """One block evaluated on its dense calibration inputs: the relative error of its output with
-    some of its sites masked."""
+    some of its sites (`sites`, of this block) masked."""
 
-    def __init__(self, calibration: Calibration, layer: int, cache):
-        self.block, self.cache = calibration.model.blocks[layer], cache
-        self.sites = [s for s in calibration.sites if s.layer == layer]
+    def __init__(self, calibration: Calibration, layer: int, sites: list[Site], cache):
+        self.block, self.cache, self.sites = calibration.model.blocks[layer], cache, sites
         self.inputs = calibration.probe_inputs[layer]
         self.dense = [self._run(x) for x in self.inputs]
         self.scale = sum(float(d.double().square().sum()) for d in self.dense)
@@ -132,10 +136,13 @@ class BlockProbe:
         return sum(float((o - d).double().square().sum()) for o, d in zip(outputs, self.dense)) / self.scale
 
 
-def block_curve(calibration: Calibration, layer: int, criterion: Criterion, cache, step: float = GREEDY_STEP,
-                max_sparsity: float = MAX_SITE_SPARSITY) -> BlockCurve:
-    """TEAL's block-wise greedy on block `layer` (see the module's note), up to `max_sparsity` at every site."""
-    probe = BlockProbe(calibration, layer, cache)
+def block_curve(calibration: Calibration, layer: int, sites: list[Site], criterion: Criterion, cache,
+                step: float = GREEDY_STEP, max_sparsity: float = MAX_SITE_SPARSITY) -> BlockCurve:
+    """TEAL's block-wise greedy over `sites` of block `layer` (see the module's note), up to
+    `max_sparsity` at every site."""
+    if not sites:
+        return BlockCurve(layer, {}, [{}], [0.0])
+    probe = BlockProbe(calibration, layer, sites, cache)
     stats = calibration.statistics
     weights = {s.kind: s.weight_count for s in probe.sites}
     steps = round(max_sparsity / step)
@@ -172,12 +179,12 @@ def block_curve(calibration: Calibration, layer: int, criterion: Criterion, cach
     return BlockCurve(layer, weights, points, errors)
 
 
-def block_curves(calibration: Calibration, criterion: Criterion, step: float = GREEDY_STEP,
+def block_curves(calibration: Calibration, criterion: Criterion, sites: list[Site], step: float = GREEDY_STEP,
                  progress: bool = True) -> list[BlockCurve]:
-    """Every block's greedy curve."""
+    """Every block's greedy curve over its sites among `sites`."""
     cache = new_cache(calibration.model, max(len(x) for inputs in calibration.probe_inputs for x in inputs))
     with torch.inference_mode():
-        return [block_curve(calibration, layer, criterion, cache, step)
+        return [block_curve(calibration, layer, [s for s in sites if s.layer == layer], criterion, cache, step)
                 for layer in tqdm(range(len(calibration.probe_inputs)), desc="allocating", unit="block",
                                   disable=not progress)]
 
@@ -222,16 +229,18 @@ class Allocator:
     """Allocations of one calibration under one criterion, for any target and method: the greedy
     curves are measured once, on first use, and reused."""
 
-    def __init__(self, calibration: Calibration, criterion: Criterion = "wina", progress: bool = True):
+    def __init__(self, calibration: Calibration, criterion: Criterion = "wina", progress: bool = True,
+                 taking_part: Collection[str] | None = None):
         if criterion not in CRITERIA:
             raise PowerInferError(f"unknown selection criterion {criterion!r} (expected one of {', '.join(CRITERIA)})")
         self.calibration, self.criterion, self.progress = calibration, criterion, progress
+        self.sites = [s for s in calibration.sites if taking_part is None or s.name in taking_part]
         self._curves: list[BlockCurve] | None = None
 
     @property
     def curves(self) -> list[BlockCurve]:
         if self._curves is None:
-            self._curves = block_curves(self.calibration, self.criterion, progress=self.progress)
+            self._curves = block_curves(self.calibration, self.criterion, self.sites, progress=self.progress)
         return self._curves
 
     def allocate(self, target: float, method: Method = "blockwise") -> Allocation:
@@ -240,12 +249,13 @@ class Allocator:
             raise PowerInferError(f"unknown allocation method {method!r} (expected one of {', '.join(METHODS)})")
         if not (isinstance(target, (int, float)) and math.isfinite(target) and 0 <= target < 1):
             raise PowerInferError(f"target sparsity {target!r} out of range: expected a fraction in [0, 1)")
-        if method == "uniform":
-            sparsities = {s.name: float(target) for s in self.calibration.sites}
-        elif method == "blockwise":
-            sparsities = blockwise_sparsities(self.curves, target)
-        else:
-            sparsities = global_sparsities(self.curves, target)
+        sparsities = {s.name: 0.0 for s in self.calibration.sites}
+        # the sites outside the blocks (the head), and with "uniform" every site, at the target
+        sparsities.update({s.name: float(target) for s in self.sites if method == "uniform" or s.layer is None})
+        if method == "blockwise":
+            sparsities.update(blockwise_sparsities(self.curves, target))
+        elif method == "global":
+            sparsities.update(global_sparsities(self.curves, target))
         return allocation_for(self.calibration, target, sparsities, self.criterion, method)
 
     def within_perplexity(self, max_increase: float, method: Method = "blockwise", chunks: int = 4,
@@ -257,7 +267,8 @@ class Allocator:
         chunks_used = self.calibration.chunks[:chunks]
         bound = calibration_perplexity(self.calibration, None, chunks_used) * max_increase
         low, high = 0.0, highest
-        for _ in range(PPL_SEARCH_STEPS):
+        for _ in tqdm(range(PPL_SEARCH_STEPS), desc=f"searching the target within {max_increase}x perplexity",
+                      unit="step", disable=not self.progress):
             middle = (low + high) / 2
             if calibration_perplexity(self.calibration, self.allocate(middle, method), chunks_used) <= bound:
                 low = middle

@@ -1,7 +1,7 @@
 """Calibration: what the inputs of every site look like on calibration text.
 
 One pass over the text (chunks evaluated from an empty cache, as perplexity evaluates them) gathers,
-per site, a histogram of the selection score over tokens and channels, for both criteria:
+per site (the head's too), a histogram of the selection score over tokens and channels, for both criteria:
 - "teal": |x_i| (TEAL: one threshold per site, the same for every channel);
 - "wina": |x_i| * ||W[:, i]|| (WINA: the channel's contribution bound; threshold_i = t / ||W[:, i]||).
 A site's threshold for a sparsity s is the s-quantile of its score, so a vector per site either way.
@@ -22,6 +22,7 @@ from powerinfer.models.base import CausalLM
 from powerinfer.runtime.kv_cache import KVCache, SeqSpan
 from powerinfer.sparse.profiler import require_calibration_tokens
 from powerinfer.sparse.sites import Site, model_sites, tapped
+from powerinfer.sparse.storage import HEAD
 
 Criterion = Literal["teal", "wina"]
 CRITERIA: tuple[Criterion, ...] = ("teal", "wina")
@@ -111,14 +112,20 @@ def calibration_chunks(ids: Sequence[int], bos_id: int | None, n_tokens: int | N
     return chunks
 
 
+# Identity rows per probe of `column_norms`: a 262k-entry head's outputs for 64 of them are 64 MiB.
+NORM_PROBE_ROWS = 64
+
+
 def column_norms(site: Site) -> torch.Tensor:
     """||W[:, i]|| of the site's linear as the model computes it: probed with the identity (exact in
     any activation dtype), bias removed, so every weight layout and device is handled alike."""
     linear = site.linear
-    eye = torch.eye(linear.in_features)
+    n = linear.in_features
     with torch.inference_mode():
-        columns = linear(eye).float() - linear(torch.zeros(1, linear.in_features)).float()
-    return torch.linalg.vector_norm(columns.cpu(), dim=1).float()
+        bias = linear(torch.zeros(1, n)).float()
+        norms = [torch.linalg.vector_norm((linear(torch.eye(n)[i : i + NORM_PROBE_ROWS]).float() - bias).cpu(), dim=1)
+                 for i in range(0, n, NORM_PROBE_ROWS)]
+    return torch.cat(norms).float()
 
 
 def new_cache(model: CausalLM, n_ctx: int) -> KVCache:
@@ -127,14 +134,15 @@ def new_cache(model: CausalLM, n_ctx: int) -> KVCache:
 
 
 def block_inputs(model: CausalLM, chunk: Sequence[int], cache: KVCache) -> list[torch.Tensor]:
-    """Evaluate `chunk` from an empty cache; the input of every block (the residual stream)."""
+    """Evaluate `chunk` from an empty cache; the input of every block (the residual stream), then the
+    head's input (the final norm's output)."""
     spans = [SeqSpan(0, 0, len(chunk))]
     x = model.embed(torch.tensor(list(chunk)), spans)
     inputs = []
     for block in model.blocks:
         inputs.append(x.clone())
         x = block(x, spans, cache)
-    return inputs
+    return [*inputs, model.logits(x, spans, "hidden")]
 
 
 def calibrate(model: CausalLM, chunks: list[list[int]], probe_chunks: int = DEFAULT_PROBE_CHUNKS,
@@ -146,9 +154,11 @@ def calibrate(model: CausalLM, chunks: list[list[int]], probe_chunks: int = DEFA
     statistics = {s.name: SiteStatistics(s, column_norms(s)) for s in sites}
     cache = new_cache(model, max(len(c) for c in chunks))
     probes: list[list[torch.Tensor]] = [[] for _ in model.blocks]
-    with torch.inference_mode(), tapped(sites, {name: stats.observe for name, stats in statistics.items()}):
+    taps = {name: stats.observe for name, stats in statistics.items() if name != HEAD}
+    with torch.inference_mode(), tapped(sites, taps):
         for index, chunk in enumerate(tqdm(chunks, desc="calibrating", unit="chunk", disable=not progress)):
-            inputs = block_inputs(model, chunk, cache)
+            *inputs, hidden = block_inputs(model, chunk, cache)
+            statistics[HEAD].observe(hidden)  # the head itself need not run: its input is all we count
             if index < probe_chunks:
                 for layer, x in enumerate(inputs):
                     probes[layer].append(x)

@@ -1,9 +1,12 @@
-"""The four input-sparse sites of a block, and a way to run a model with their inputs masked.
+"""The input-sparse sites of a model: four per block, and the output head; and a way to run a model
+with their inputs masked.
 
-A site is the input of one (fused) linear of a block: per token, the input channels whose
-magnitude is at or under the site's per-channel threshold are skipped (TEAL). This module names the
-sites (one place), finds their linears in a loaded model, and wraps those linears so that the
-torch path computes exactly what an input-sparse kernel computes: the dense product of the
+A site is the input of one (fused) linear: per token, the input channels whose magnitude is at or
+under the site's per-channel threshold are skipped (TEAL). The head is a site too: its input is the
+final norm's output, and its channel runs are the longest of the model (a run holds a weight per
+vocabulary entry), so it is where skipping saves the most memory traffic per channel. This module
+names the sites (one place), finds their linears in a loaded model, and wraps those linears so that
+the torch path computes exactly what an input-sparse kernel computes: the dense product of the
 masked input ("masked dense").
 """
 
@@ -20,6 +23,7 @@ from powerinfer.models.layers import Block
 from powerinfer.ops.linear import Linear
 from powerinfer.sparse.ffn import DenseFFN
 from powerinfer.sparse.select import selected
+from powerinfer.sparse.storage import HEAD  # the head site's name, kind, and the model's attribute
 
 # kind -> (the block's part, the part's attribute holding the linear whose input the site is)
 SITE_PARTS: dict[str, tuple[str, str]] = {
@@ -38,26 +42,35 @@ def site_name(layer: int, kind: str) -> str:
 
 @dataclass(frozen=True, eq=False)
 class Site:
-    """Input `kind` of block `layer` (one of SITE_KINDS)."""
+    """Input `kind` (one of SITE_KINDS) of block `layer`, or the output head (layer None, kind HEAD);
+    `owner`: the block, or the model for the head."""
 
-    layer: int
+    layer: int | None
     kind: str
-    block: Block
+    owner: object
 
     @property
     def name(self) -> str:
-        return site_name(self.layer, self.kind)
+        return HEAD if self.layer is None else site_name(self.layer, self.kind)
+
+    def _holder(self) -> tuple[object, str]:
+        """The object and attribute that hold the site's linear."""
+        if self.layer is None:
+            return self.owner, HEAD
+        part, attribute = SITE_PARTS[self.kind]
+        return getattr(self.owner, part), attribute
 
     @property
     def linear(self) -> Linear:
-        part, attribute = SITE_PARTS[self.kind]
-        return getattr(getattr(self.block, part), attribute)
+        holder, attribute = self._holder()
+        return getattr(holder, attribute)
 
     def put(self, linear: Linear) -> None:
         """Make `linear` the site's linear."""
-        part, attribute = SITE_PARTS[self.kind]
-        setattr(getattr(self.block, part), attribute, linear)
-        self.block.rebuild_step()  # a native step held the old linear (and takes none without a native form)
+        holder, attribute = self._holder()
+        setattr(holder, attribute, linear)
+        if self.layer is not None:
+            self.owner.rebuild_step()  # a native step held the old linear (and takes none without a native form)
 
     @property
     def in_features(self) -> int:
@@ -70,14 +83,14 @@ class Site:
 
 
 def model_sites(model) -> list[Site]:
-    """Every site of every block of `model`, in layer order, then SITE_KINDS order."""
+    """Every site of every block of `model`, in layer order, then SITE_KINDS order; then the head."""
     sites = []
     for layer, block in enumerate(model.blocks):
         if not isinstance(block, Block) or not isinstance(block.ffn, DenseFFN):
             raise UnsupportedModelError(f"layer {layer}: input sparsity needs dense attention and FFN blocks "
                                         f"(found {type(block.ffn).__name__}); a ReLU model uses the predictor flow")
         sites.extend(Site(layer, kind, block) for kind in SITE_KINDS)
-    return sites
+    return [*sites, Site(None, HEAD, model)]
 
 
 class TappedLinear(Linear):

@@ -1,9 +1,11 @@
-"""`powerinfer sparsify`: training-free input sparsity for every linear of every block.
+"""`powerinfer sparsify`: training-free input sparsity for every linear of every block, and the head.
 
-Calibrates the inputs of each block's four sites on a text (calibrate.py), spreads a model-level
-target across layers and sites (allocate.py), and writes a GGUF in which each site whose share
-pays gets its thresholds (storage.py); the other sites run dense. Every tensor and key of the source
-is copied as it is: the weights keep their rows and their type (no re-quantization).
+Calibrates the inputs of every site (each block's four, and the output head's) on a text
+(calibrate.py), spreads a model-level target across the sites whose skipping pays on this machine
+(allocate.py; payoff.py measures where), and writes a GGUF in which each site whose share pays gets
+its thresholds (storage.py); the other sites run dense. The quality budget of `--max-ppl-increase`
+is thus spent only where skipping saves time. Every tensor and key of the source is copied as it
+is: the weights keep their rows and their type (no re-quantization).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from powerinfer.sparse.sites import Site
 from powerinfer.sparse.storage import TARGET_KEY, THRESHOLDS_SUFFIX, is_sparsified
 
 DEFAULT_MAX_PPL_INCREASE = 1.02  # on the calibration text; the held-out increase measures a little higher
+# A site takes part in the allocation when its channel runs beat its rows at this sparsity or less:
+# one that pays only beyond it would spend the quality budget for little time.
+PAYING_BY = 0.5
 
 @dataclass(frozen=True)
 class Target:
@@ -53,8 +58,20 @@ def sparsify(llm: LLM, text: str, output: str | os.PathLike[str], target: Target
     thresholds only where this machine decodes it faster skipping (payoff.py), unless `all_sites`
     (every site that skips channels: a file for another CPU, or to measure quality)."""
     check_output_file(output, force)
-    allocator = Allocator(calibration_of(llm, text, n_tokens, progress), progress=progress)
-    return write_sparsified(llm, allocator, output, target, method, force, progress, all_sites)
+    calibration = calibration_of(llm, text, n_tokens, progress)
+    break_even = None if all_sites else BreakEven()
+    allocator = Allocator(calibration, progress=progress, taking_part=taking_part(calibration.sites, break_even, progress))
+    return write_sparsified(llm, allocator, output, target, method, force, progress, all_sites, break_even)
+
+
+def taking_part(sites: list[Site], break_even: BreakEven | None, progress: bool = True) -> list[str]:
+    """The names of the sites of a type that channel runs take and, given `break_even`, whose runs
+    beat their rows by PAYING_BY skipped (the sites the allocation spreads the target over)."""
+    runs = [s for s in sites if runs_take([t.ggml_type for t in s.linear.sources])]
+    if break_even is not None:
+        runs = [s for s in tqdm(runs, desc="measuring where skipping pays", unit="site", disable=not progress)
+                if break_even.pays(_shape(s), PAYING_BY)]
+    return [s.name for s in runs]
 
 
 def calibration_of(llm: LLM, text: str, n_tokens: int | None = DEFAULT_TOKENS, progress: bool = True) -> Calibration:
@@ -70,15 +87,15 @@ def calibration_of(llm: LLM, text: str, n_tokens: int | None = DEFAULT_TOKENS, p
 
 def write_sparsified(llm: LLM, allocator: Allocator, output: str | os.PathLike[str], target: Target = Target(),
                      method: Method = "blockwise", force: bool = False, progress: bool = True,
-                     all_sites: bool = False) -> Allocation:
+                     all_sites: bool = False, break_even: BreakEven | None = None) -> Allocation:
     """Write `output`: `llm`'s file sparsified by the allocation `target` and `method` give on the
     calibration of `allocator` (of `llm`'s own model: calibration_of), sites chosen as `sparsify`
-    says; returns that allocation."""
+    says (`break_even`: its measurements so far); returns that allocation."""
     check_output_file(output, force)
     _check_model(llm)
     calibration = allocator.calibration
     allocation = target.allocate(allocator, method)
-    paying = _skipping_sites(calibration.sites, allocation, None if all_sites else BreakEven(), progress)
+    paying = _skipping_sites(calibration.sites, allocation, None if all_sites else break_even or BreakEven(), progress)
     if not paying:
         warn(f"no site of {llm.path.name} decodes faster skipping channels on this CPU at these sparsities: "
              f"{Path(output).name} runs every linear dense (--all-sites gives every site its thresholds anyway)")

@@ -2,7 +2,7 @@
 
 The weights stay as the source stores them, by rows: the gguf package and `--sparsity off` read a
 plain model. A site (powerinfer.sparse.sites) whose skipping pays has its thresholds in
-`blk.N.<kind>.thresholds` (float32, one per input channel: channel i is read when |x_i| >
+`blk.N.<kind>.thresholds`, or `output.thresholds` for the head (float32, one per input channel: channel i is read when |x_i| >
 threshold_i); at load its linears are regrouped into channel runs (columns.py), in which a skipped
 channel's weights are never read. A site without thresholds runs dense.
 """
@@ -32,9 +32,16 @@ SITE_TENSORS: dict[str, tuple[str, ...]] = {
 }
 
 
+HEAD = "output"  # the output head's site (sites.py), and its thresholds' name in a file
+# The tensors the output head reads (its own, or the token embedding it shares).
+HEAD_TENSORS = ("output.weight", "token_embd.weight")
+
+
 def _site_of(weight_name: str) -> str | None:
-    """The site (`blk.3.attn_in`) whose input feeds tensor `blk.3.attn_q.weight`; None for a tensor
-    outside the sites (the output head)."""
+    """The site (`blk.3.attn_in`, or HEAD) whose input feeds tensor `blk.3.attn_q.weight` (or the
+    head's); None for a tensor outside the sites."""
+    if weight_name in HEAD_TENSORS:
+        return HEAD
     if weight_name.count(".") < 2:
         return None
     block, part = weight_name.rsplit(".", 2)[:2]
