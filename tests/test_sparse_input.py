@@ -227,3 +227,16 @@ def test_bad_shapes_are_refused():
     layer = column_linear([m], torch.zeros(64))
     with pytest.raises(RuntimeError, match="x must be"):
         layer(torch.zeros(1, 63))
+
+
+def test_a_large_matrix_is_regrouped_in_slices_dropping_pages_after_each(monkeypatch):
+    """Given release_pages, a matrix goes in slices of rows (the file's pages dropped after each, so
+    both copies are never whole at once); the runs are those of the matrix whole."""
+    monkeypatch.setattr(columns, "REPACK_SLICE_BYTES", 5000)
+    m = matrix(T.Q4_0, 300, 256, seed=21)  # 144 bytes a row: 34 rows a slice, 9 slices
+    x = inputs(3, 256, seed=22)
+    thresholds = thresholds_at(x, 0.5, seed=23)
+    calls = []
+    sliced = column_linear([m], thresholds, release_pages=lambda: calls.append(1))
+    assert len(calls) == 9
+    assert torch.equal(sliced(x), column_linear([m], thresholds)(x))

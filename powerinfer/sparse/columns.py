@@ -23,7 +23,7 @@ import torch
 
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
-from powerinfer.ops.linear import Linear, mapped_tensor
+from powerinfer.ops.linear import REPACK_SLICE_BYTES, Linear, mapped_tensor
 from powerinfer.ops.quant import T, dequantize_rows
 from powerinfer.sparse.neurons import hugepage_buffer
 from powerinfer.sparse.select import kept
@@ -57,6 +57,12 @@ class RowMatrix:
     def dequantized(self) -> torch.Tensor:
         """W as float32 [out, in]."""
         return dequantize_rows(self.rows, self.ggml_type, self.in_features)
+
+
+def _row_slices(m: RowMatrix) -> list[RowMatrix]:
+    """`m` as consecutive slices of at most about REPACK_SLICE_BYTES (side by side they are `m`)."""
+    rows = max(1, REPACK_SLICE_BYTES // max(m.rows.shape[1], 1))
+    return [RowMatrix(m.rows[i : i + rows], m.ggml_type, m.in_features) for i in range(0, m.out_features, rows)]
 
 
 def from_gguf(tensor: GGUFTensor) -> RowMatrix:
@@ -97,14 +103,15 @@ class ColumnLinear(Linear):
         self.projection = None
         self._bytes = sum(m.rows.numel() for m in self.matrices)
         if ops is not None:
-            types = [int(m.ggml_type) for m in self.matrices]
-            self._bytes = ops.channel_run_bytes(types, [m.out_features for m in self.matrices], self.in_features)
+            # with release_pages, large matrices go in slices of rows, the file's pages dropped after each
+            # (a 262k-row head would otherwise hold both copies whole: +120 MiB peak on Gemma 3 270M)
+            parts = [p for m in self.matrices for p in _row_slices(m)] if release_pages else self.matrices
+            types = [int(m.ggml_type) for m in parts]
+            self._bytes = ops.channel_run_bytes(types, [m.out_features for m in parts], self.in_features)
             destination, self._region = hugepage_buffer(self._bytes)
-            self.projection = ops.SparseInputProjection([m.rows for m in self.matrices], types, self.in_features,
-                                                        self.thresholds, SPARSE_MAX_ROWS, destination)
+            self.projection = ops.SparseInputProjection([m.rows for m in parts], types, self.in_features,
+                                                        self.thresholds, SPARSE_MAX_ROWS, destination, release_pages)
             self.matrices = []  # the runs are the weights now
-            if release_pages is not None:
-                release_pages()
 
     def to(self, device: torch.device) -> ColumnLinear:
         if torch.device(device).type != "cpu":

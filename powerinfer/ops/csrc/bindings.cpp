@@ -1,5 +1,6 @@
 // The Python module powerinfer._native: every binding of the native operators.
 #include <torch/extension.h>
+#include <pybind11/functional.h>
 
 #include <stdexcept>
 #include <string>
@@ -56,12 +57,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("in_features", &QuantProjection::in_features)
       .def_readonly("out_features", &QuantProjection::out_features);
   py::class_<SparseInputProjection, Projection, std::shared_ptr<SparseInputProjection>>(m, "SparseInputProjection")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, torch::Tensor, int64_t, torch::Tensor>(),
+      .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, torch::Tensor, int64_t, torch::Tensor,
+                    std::function<void()>>(),
            "per matrix its raw GGML rows uint8 [outputs, row bytes], their GGML types, the input channels, float32 "
            "thresholds [in] (a row skips channel i where |x_i| <= thresholds[i]), the most rows computed sparsely "
-           "(more: all channels read), and the contiguous uint8 tensor of channel_run_bytes(...) that receives the runs",
+           "(more: all channels read), the contiguous uint8 tensor of channel_run_bytes(...) that receives the runs, "
+           "and a callable run after each matrix is regrouped (or None)",
            py::arg("rows"), py::arg("types"), py::arg("in_features"), py::arg("thresholds"), py::arg("sparse_max_rows"),
-           py::arg("destination"))
+           py::arg("destination"), py::arg("after_matrix") = py::none())
       .def_readonly("runs", &SparseInputProjection::runs)
       .def_readonly("thresholds", &SparseInputProjection::thresholds)
       .def_property_readonly("in_features", &SparseInputProjection::in_features)

@@ -116,7 +116,7 @@ constexpr int64_t MIN_TASK_BLOCKS = 4;
 
 SparseInputProjection::SparseInputProjection(const std::vector<torch::Tensor>& rows, const std::vector<int64_t>& types,
                                              int64_t in_features, torch::Tensor thresholds_, int64_t sparse_max_rows_,
-                                             torch::Tensor destination)
+                                             torch::Tensor destination, const std::function<void()>& after_matrix)
     : thresholds(std::move(thresholds_)), sparse_max_rows(sparse_max_rows_) {
   std::vector<int64_t> outputs;
   for (const auto& r : rows) {
@@ -183,6 +183,7 @@ SparseInputProjection::SparseInputProjection(const std::vector<torch::Tensor>& r
       }
     });
     first += source.size(0);
+    if (after_matrix) after_matrix();
   }
 }
 

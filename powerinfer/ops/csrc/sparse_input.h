@@ -31,6 +31,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -122,9 +123,11 @@ struct SparseInputProjection : Projection {
 
   // rows: per matrix, its raw GGML rows uint8 [outputs, row bytes]; types: their GGML types;
   // destination: where the runs go (the caller's memory, e.g. on huge pages), uint8 of
-  // run_layout(...).bytes().
+  // run_layout(...).bytes(); after_matrix, given, is called once each matrix is in the runs (to drop
+  // its file pages: a large matrix given as slices of rows then never has both copies whole).
   SparseInputProjection(const std::vector<torch::Tensor>& rows, const std::vector<int64_t>& types, int64_t in_features,
-                        torch::Tensor thresholds, int64_t sparse_max_rows, torch::Tensor destination);
+                        torch::Tensor thresholds, int64_t sparse_max_rows, torch::Tensor destination,
+                        const std::function<void()>& after_matrix = {});
   torch::Tensor operator()(const torch::Tensor& x) const override;
 
   int64_t in_features() const { return layout.in_features; }
