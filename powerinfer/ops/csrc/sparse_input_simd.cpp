@@ -56,7 +56,8 @@ constexpr int64_t CHUNK = 8192;
 constexpr int64_t STREAM_START = 512;
 
 // Channels per pass over the sums (two pairs): the sums are loaded and stored once per four.
-constexpr int GROUP = 4;
+constexpr int GROUP = 4, PAIRS = GROUP / 2;
+static_assert(PAIRS == 2, "the kernels add two pairs' products per pass");
 
 // Channels [j, j + GROUP) of a block: their runs at byte `at` (past j1, channel j's: its k is 0 there).
 inline void group_runs(const RunLayout& l, const uint8_t* block, const Selection& s, int32_t j, int32_t j1, int64_t at,
@@ -66,6 +67,20 @@ inline void group_runs(const RunLayout& l, const uint8_t* block, const Selection
 
 // Row r's k of channel c, 0 past j1.
 inline int8_t k_of(const Selection& s, int32_t c, int32_t j1, int r) { return c < j1 ? s.k[c * s.rows + r] : 0; }
+
+// Per pair of the group [j, j + GROUP) and per row, [k_j, k_j+1] broadcast: as two bytes (4-bit runs,
+// for maddubs) or, WIDE, as two int16 (Q8 runs, for madd).
+template <int R, bool WIDE>
+inline void pair_ks(const Selection& s, int32_t j, int32_t j1, __m256i k[PAIRS][R]) {
+  for (int h = 0; h < PAIRS; ++h)
+    for (int r = 0; r < R; ++r) {
+      const int8_t k0 = k_of(s, j + 2 * h, j1, r), k1 = k_of(s, j + 2 * h + 1, j1, r);
+      if constexpr (WIDE)
+        k[h][r] = _mm256_set1_epi32(static_cast<int32_t>(static_cast<uint16_t>(k0) | static_cast<uint32_t>(static_cast<uint16_t>(k1)) << 16));
+      else
+        k[h][r] = _mm256_set1_epi16(static_cast<int16_t>(static_cast<uint8_t>(k0) | static_cast<uint8_t>(k1) << 8));
+    }
+}
 
 // The next group's runs that start a new stream (that do not follow the run before them): their first
 // `bytes` from byte `at` fetched ahead; the hardware prefetchers follow the rest, and adjacent runs.
@@ -109,15 +124,11 @@ void add_q4_block(const RunLayout& l, const uint8_t* runs, const Selection& s, i
       fetch_stream_starts(l, block, s, j, j1, c0 / 2, std::min(n / 2, STREAM_START));
       const uint8_t* w[GROUP];
       group_runs(l, block, s, j, j1, c0 / 2, w);
-      __m256i k[2][R];  // per pair and row: [k_j, k_j+1] as bytes
-      for (int h = 0; h < 2; ++h)
-        for (int r = 0; r < R; ++r) {
-          const uint16_t k0 = static_cast<uint8_t>(k_of(s, j + 2 * h, j1, r)), k1 = static_cast<uint8_t>(k_of(s, j + 2 * h + 1, j1, r));
-          k[h][r] = _mm256_set1_epi16(static_cast<int16_t>(k0 | k1 << 8));
-        }
+      __m256i k[PAIRS][R];
+      pair_ks<R, false>(s, j, j1, k);
       for (int64_t g = 0; g < n; g += 64) {
-        __m256i both[2][4];
-        for (int h = 0; h < 2; ++h) {
+        __m256i both[PAIRS][4];
+        for (int h = 0; h < PAIRS; ++h) {
           const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[2 * h] + g / 2));
           const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[2 * h + 1] + g / 2));
           const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
@@ -183,15 +194,11 @@ void add_q8_block(const RunLayout& l, const uint8_t* runs, const Selection& s, i
       fetch_stream_starts(l, block, s, j, j1, c0, std::min(n, STREAM_START));
       const uint8_t* w[GROUP];
       group_runs(l, block, s, j, j1, c0, w);
-      __m256i k[2][R];  // per pair and row: [k_j, k_j+1] as int16
-      for (int h = 0; h < 2; ++h)
-        for (int r = 0; r < R; ++r) {
-          const uint32_t k0 = static_cast<uint16_t>(k_of(s, j + 2 * h, j1, r)), k1 = static_cast<uint16_t>(k_of(s, j + 2 * h + 1, j1, r));
-          k[h][r] = _mm256_set1_epi32(static_cast<int32_t>(k0 | k1 << 16));
-        }
+      __m256i k[PAIRS][R];
+      pair_ks<R, true>(s, j, j1, k);
       for (int64_t g = 0; g < n; g += 16) {
-        __m256i lo[2], hi[2];
-        for (int h = 0; h < 2; ++h) {
+        __m256i lo[PAIRS], hi[PAIRS];
+        for (int h = 0; h < PAIRS; ++h) {
           const __m256i v0 = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(w[2 * h] + g)));
           const __m256i v1 = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(w[2 * h + 1] + g)));
           lo[h] = _mm256_unpacklo_epi16(v0, v1), hi[h] = _mm256_unpackhi_epi16(v0, v1);
