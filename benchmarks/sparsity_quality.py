@@ -44,8 +44,8 @@ from powerinfer.gguf import open_gguf
 from powerinfer.sparse.allocate import Allocator
 from powerinfer.sparse.calibrate import DEFAULT_TOKENS
 from powerinfer.sparse.columns import ColumnLinear
-from powerinfer.sparse.sites import model_sites
 from powerinfer.sparse.payoff import BreakEven
+from powerinfer.sparse.sites import model_sites
 from powerinfer.sparse.sparsify import DEFAULT_MAX_PPL_INCREASE, Target, calibration_of, taking_part, write_sparsified
 from powerinfer.sparse.storage import TARGET_KEY
 from powerinfer.tools.perplexity import chunks_of
@@ -221,7 +221,7 @@ def measure_model(name: str, n_chunks: int, args) -> tuple[str, list[Row]]:
 def write_results(results: dict[str, list[Row]], args, output: Path) -> None:
     speed = any(row.speed for rows in results.values() for row in rows)
     lines = [
-        "# Perplexity under TEAL-style input sparsity of every block linear, on the sparsified files",
+        "# Perplexity under TEAL-style input sparsity of every block linear and the output head, on the sparsified files",
         "",
         f"{datetime.date.today()} · {machine_description()} · `benchmarks/sparsity_quality.py` · wikitext-2 test.txt, "
         f"c={N_CTX} · calibrated once per model on valid.txt only (sparsify's defaults: {DEFAULT_TOKENS} tokens, "
@@ -231,7 +231,7 @@ def write_results(results: dict[str, list[Row]], args, output: Path) -> None:
         f"Command: `.venv/bin/python benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}`",
         "",
         "Target: the model-wide sparsity asked for (default row: the one sparsify chose). Sparsity: measured on "
-        "the test text, the share of the block linears' weights not read per token.",
+        "the test text, the share of the sites' weights (block linears and head) not read per token.",
         "",
     ]
     if speed:
