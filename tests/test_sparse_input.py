@@ -14,7 +14,7 @@ import torch
 from gguf import quants
 
 from powerinfer.gguf.reader import GGUFTensor
-from powerinfer.ops import native
+from powerinfer.ops import linear, native
 from powerinfer.ops.quant import T, random_blocks
 from powerinfer.sparse import columns
 from powerinfer.sparse.columns import SPARSE_MAX_ROWS, RowMatrix, column_linear, runs_take, sparse_reference
@@ -232,7 +232,7 @@ def test_bad_shapes_are_refused():
 def test_a_large_matrix_is_regrouped_in_slices_dropping_pages_after_each(monkeypatch):
     """Given release_pages, a matrix goes in slices of rows (the file's pages dropped after each, so
     both copies are never whole at once); the runs are those of the matrix whole."""
-    monkeypatch.setattr(columns, "REPACK_SLICE_BYTES", 5000)
+    monkeypatch.setattr(linear, "REPACK_SLICE_BYTES", 5000)
     m = matrix(T.Q4_0, 300, 256, seed=21)  # 144 bytes a row: 34 rows a slice, 9 slices
     x = inputs(3, 256, seed=22)
     thresholds = thresholds_at(x, 0.5, seed=23)

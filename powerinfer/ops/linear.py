@@ -285,12 +285,19 @@ def pack_quant(tensors: Sequence[GGUFTensor], release_pages: Callable[[], None] 
     return QuantLinear(ops.QuantProjection(packed, [int(t.ggml_type) for t in parts], [t.shape[0] for t in parts]))
 
 
+def slice_bounds(n_rows: int, row_bytes: int, row_multiple: int = 1) -> list[tuple[int, int]]:
+    """Row ranges [a, b) covering `n_rows` rows, each of at most about REPACK_SLICE_BYTES and a whole
+    number of `row_multiple` rows (one range when the whole fits)."""
+    rows = max(row_multiple, REPACK_SLICE_BYTES // row_bytes // row_multiple * row_multiple)
+    return [(a, min(a + rows, n_rows)) for a in range(0, n_rows, rows)]
+
+
 def _repack_slices(tensor: GGUFTensor, row_multiple: int) -> list[GGUFTensor]:
     """`tensor` as slices of at most about REPACK_SLICE_BYTES, each a whole number of packed row
     blocks (so the packed slices hold exactly the bytes of the whole tensor packed at once)."""
     n = tensor.shape[0]
-    rows = max(row_multiple, REPACK_SLICE_BYTES // (tensor.n_bytes // n) // row_multiple * row_multiple)
-    return [tensor.rows(a, min(a + rows, n)) for a in range(0, n, rows)] if n > rows else [tensor]
+    bounds = slice_bounds(n, tensor.n_bytes // n, row_multiple)
+    return [tensor.rows(a, b) for a, b in bounds] if len(bounds) > 1 else [tensor]
 
 
 class ConcatLinear(Linear):

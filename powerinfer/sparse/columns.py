@@ -8,8 +8,9 @@ contiguous. The matrices of one projection (q, k and v; gate and up) go side by 
 outputs, so that a run is long enough that skipping it saves memory traffic. Q4_0, Q4_1, Q4_K and
 Q8_0 rows have such a form (RUN_TYPES); a linear of another type stays by rows.
 
-Up to `SPARSE_MAX_ROWS` rows read only their active channels' runs, more rows (prefill) read all of
-them, each row's skipped channels set to 0 (the same result: logits do not depend on batching). The
+Up to `SPARSE_MAX_ROWS` rows read only their active channels' runs (in groups of up to four rows,
+each run of the group's union read once), more rows (prefill) read all of them, each row's skipped
+channels set to 0 (the same result: logits do not depend on batching). The
 kernels round x to int8 per block of 32 inputs, as the dense row kernels do. `sparse_reference` is
 the plain-torch reference, used where the native module is absent.
 """
@@ -23,7 +24,7 @@ import torch
 
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
-from powerinfer.ops.linear import REPACK_SLICE_BYTES, Linear, mapped_tensor
+from powerinfer.ops.linear import Linear, mapped_tensor, slice_bounds
 from powerinfer.ops.quant import T, dequantize_rows
 from powerinfer.sparse.neurons import hugepage_buffer
 from powerinfer.sparse.select import kept
@@ -60,9 +61,8 @@ class RowMatrix:
 
 
 def _row_slices(m: RowMatrix) -> list[RowMatrix]:
-    """`m` as consecutive slices of at most about REPACK_SLICE_BYTES (side by side they are `m`)."""
-    rows = max(1, REPACK_SLICE_BYTES // max(m.rows.shape[1], 1))
-    return [RowMatrix(m.rows[i : i + rows], m.ggml_type, m.in_features) for i in range(0, m.out_features, rows)]
+    """`m` as consecutive slices of rows, as QuantLinear's repacking slices (side by side they are `m`)."""
+    return [RowMatrix(m.rows[a:b], m.ggml_type, m.in_features) for a, b in slice_bounds(m.out_features, m.rows.shape[1])]
 
 
 def from_gguf(tensor: GGUFTensor) -> RowMatrix:

@@ -1,8 +1,8 @@
 // The AVX2 kernel of SparseInputProjection (sparse_input.h). Per active block of 32 inputs:
 //   4-bit forms: per chunk of outputs, the int16 sums of all outputs (of every row of the group)
-//   stay in L1 while the active channels' pieces of run stream past, two channels at a time (the
-//   hardware prefetchers follow a run, and adjacent runs; the start of a run after a skipped one is
-//   fetched ahead); the two channels' nibbles interleaved byte by byte, `_mm256_maddubs_epi16` by a
+//   stay in L1 while the active channels' pieces of run stream past, four channels (two pairs) at a
+//   time (the hardware prefetchers follow a run, and adjacent runs; the start of a run after a skipped
+//   one is fetched ahead); a pair's nibbles interleaved byte by byte, `_mm256_maddubs_epi16` by a
 //   row's [k_j, k_j+1] byte pairs sums both channels' products for 16 outputs.
 //   Q8: the same, with int32 sums: both channels' bytes sign-extended to int16 and interleaved meet
 //   a row's [k_j, k_j+1] in one `_mm256_madd_epi16`.
