@@ -1,7 +1,7 @@
 """QuantLinear's kernels per GGML block type and instruction set, on a 11008 x 4096 layer (a 7B
 llama FFN projection), against what runs without them.
 
-    .venv/bin/python benchmarks/quant_kernels.py [--threads 2] [--rows 1 8] [--out FILE]
+    .venv/bin/python benchmarks/quant_kernels.py [--threads 2] [--rows 1 8] [--isa avx512 avx2] [--types Q6_K ...] [--out FILE]
 
 Paths: ours on each instruction set this CPU has (forced as POWERINFER_ISA does); "no native":
 what `build_linear` makes without our module (torch's int4 kernel for Q4_0, Q4_1 and Q8_0, the
@@ -31,7 +31,7 @@ from powerinfer.ops import native
 from powerinfer.ops.linear import build_linear
 from powerinfer.ops.quant import BLOCK_TYPES, random_blocks
 
-from common import machine_description, memory_bandwidth
+from common import ISAS, machine_description, memory_bandwidth
 
 OUT_FEATURES, IN_FEATURES, LAYERS = 11008, 4096, 3
 CACHED = (1024, 2048)  # a layer that stays in cache: the kernels' arithmetic speed, not the memory's
@@ -52,19 +52,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="rows of x per call (tokens sharing a step)")
+    parser.add_argument("--isa", nargs="+", choices=[*ISAS, "scalar"],
+                        help="instruction sets to measure (default: every one this CPU has)")
+    parser.add_argument("--types", nargs="+", choices=[T(t).name for t in sorted(BLOCK_TYPES)],
+                        help="block types to measure (default: every one)")
     parser.add_argument("--out", type=Path, help="results file (default: by the CPU's best instruction set)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if native.load() is None:
         raise SystemExit("native operators are unavailable: nothing to benchmark")
+    isas = [isa for isa in native.instruction_sets() if not args.isa or isa in args.isa]
+    if not isas:
+        raise SystemExit(f"this CPU has none of {' '.join(args.isa)} (it has {' '.join(native.instruction_sets())})")
     machine, bandwidth = machine_description(), memory_bandwidth()
     rng = np.random.default_rng(0)
-    isas = native.instruction_sets()
+    types = sorted(BLOCK_TYPES) if not args.types else [T[name].value for name in args.types]
     out = args.out or RESULTS / f"quant_kernels{'' if isas[0] == 'avx512' else '_' + isas[0]}.md"
     header = "| type | bytes/weight | " + " | ".join(f"{p}, {m} row{'s' * (m > 1)}" for m in args.rows for p in [*isas, "no native"])
     header += " | " + " | ".join(f"{p}, in cache" for p in isas) + " |"
     lines = [header, "|" + " --- |" * (2 + len(args.rows) * (len(isas) + 1) + len(isas))]
-    for ggml_type in sorted(BLOCK_TYPES):
+    for ggml_type in types:
         tensors = [GGUFTensor("w", ggml_type, (OUT_FEATURES, IN_FEATURES), random_blocks(ggml_type, OUT_FEATURES, IN_FEATURES, rng))
                    for _ in range(LAYERS)]
         file_bytes = tensors[0].data.nbytes
@@ -94,7 +101,8 @@ def main() -> None:
             f"tokens' worth of work); and, at 1 row, each instruction set on a {CACHED[0]} x {CACHED[1]} layer that "
             "stays in cache (the arithmetic's speed, not the memory's: least disturbed by other processes). "
             "Higher is faster; at 1 row a kernel at the memory roofline reaches the measured bandwidth.\n\n" + "\n".join(lines) +
-            f"\n\nCommand: `.venv/bin/python benchmarks/quant_kernels.py --threads {args.threads} --rows {' '.join(map(str, args.rows))}`\n")
+            f"\n\nCommand: `.venv/bin/python benchmarks/quant_kernels.py --threads {args.threads} --rows {' '.join(map(str, args.rows))}"
+            f"{' --isa ' + ' '.join(args.isa) if args.isa else ''}{' --types ' + ' '.join(args.types) if args.types else ''}`\n")
     out.write_text(note)
     print(f"memory read bandwidth: {bandwidth:.1f} GB/s; wrote {out}")
 
