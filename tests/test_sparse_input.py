@@ -3,8 +3,9 @@ against a masked dense product of the rows as the gguf package dequantizes them.
 
 The kernels round each row's active x to int8 per block of 32 inputs, on the block's largest active
 |x| (as the dense kernels round x); `rounded` does that to the masked x, and the result must then
-equal the product up to float32 rounding (`float32_bound`), and, for Q4_K, up to the float16 rounding
-of its scale products (`half_bound`). Prefill (more than SPARSE_MAX_ROWS rows) does not round x."""
+equal the product up to float32 rounding (`float32_bound`), and up to what the runs round
+(`runs_bound`): Q4_K's scale products in float16, Q6_K's weights to int8 per 32 inputs. Prefill (more
+than SPARSE_MAX_ROWS rows) does not round x."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from powerinfer.sparse.columns import SPARSE_MAX_ROWS, RowMatrix, column_linear,
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native operators unavailable")
 
-RUN_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K]
+RUN_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
 ALL_ISAS = ["avx512", "avx2", "scalar"]
 
 
@@ -69,11 +70,16 @@ def float32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (w.shape[1] + 8) * eps * (x.abs() @ w.abs().T) + 1e-30
 
 
-def half_bound(x: torch.Tensor, m: RowMatrix, w: torch.Tensor) -> torch.Tensor:
-    """Q4_K's d times sub-block scale (and dmin times minimum) rounded to float16: 2^-11 relative."""
-    if m.ggml_type != T.Q4_K:
-        return torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
-    return 2.0**-10 * (x.abs() @ w.abs().T)
+def runs_bound(x: torch.Tensor, m: RowMatrix, w: torch.Tensor) -> torch.Tensor:
+    """What the runs round. Q4_K: d times sub-block scale (and dmin times minimum) in float16, 2^-11
+    relative. Q6_K: each weight to int8 on its 32 inputs' largest |w| (half a step: 1/254 of it),
+    and that step times d in float16."""
+    if m.ggml_type == T.Q4_K:
+        return 2.0**-10 * (x.abs() @ w.abs().T)
+    if m.ggml_type == T.Q6_K:
+        largest = w.abs().view(w.shape[0], -1, 32).amax(dim=2, keepdim=True).expand(-1, -1, 32).reshape(w.shape)
+        return (1 / 254 + 2.0**-10) * (x.abs() @ largest.T)
+    return torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
 
 
 def check(layer, matrices, thresholds, x, rounds=True):
@@ -81,7 +87,7 @@ def check(layer, matrices, thresholds, x, rounds=True):
     xr = rounded(x, thresholds) if rounds else torch.where(x.abs() > thresholds, x, torch.zeros_like(x)).double()
     weights = [gguf_weight(m) for m in matrices]
     expected = xr @ torch.cat(weights).T
-    bound = float32_bound(xr, torch.cat(weights)) + torch.cat([half_bound(xr, m, w) for m, w in zip(matrices, weights)], dim=1)
+    bound = float32_bound(xr, torch.cat(weights)) + torch.cat([runs_bound(xr, m, w) for m, w in zip(matrices, weights)], dim=1)
     assert got.dtype == torch.float32 and got.shape == expected.shape
     worst = ((got.double() - expected).abs() / bound).max().item()
     assert worst <= 1.0, f"error {worst:.3g} times the bound"
@@ -106,7 +112,7 @@ def thresholds_at(x: torch.Tensor, sparsity: float, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("ggml_type", RUN_TYPES)
 @pytest.mark.parametrize("out_features", [1, 37, 131, 8200])  # off the kernels' steps (64, 128) and chunk (8192)
 def test_one_row_equals_the_masked_product_on_each_instruction_set(ggml_type, out_features, each_isa):
-    in_features = 512 if ggml_type == T.Q4_K else 96 + 32 * (out_features % 5)
+    in_features = 512 if ggml_type in (T.Q4_K, T.Q6_K) else 96 + 32 * (out_features % 5)
     m = matrix(ggml_type, out_features, in_features, seed=out_features)
     x = inputs(1, in_features, seed=1)
     thresholds = thresholds_at(x, 0.5, seed=2)
@@ -146,11 +152,11 @@ def test_each_row_gets_its_one_row_result_exactly(rows, form, each_isa):
         assert torch.equal(layer(x[row:row + 1]), together[row:row + 1])
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q8_0])
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q8_0, T.Q6_K])
 @pytest.mark.parametrize("rows", [2, 3, 4])
 def test_rows_read_together_equal_the_masked_product(ggml_type, rows, each_isa):
     """Outputs past one chunk of the 4-bit kernel (8192) and off its steps."""
-    in_features = 256 if ggml_type == T.Q4_K else 96
+    in_features = 256 if ggml_type in (T.Q4_K, T.Q6_K) else 96
     m = matrix(ggml_type, 8200, in_features, seed=rows)
     x = inputs(rows, in_features, seed=rows + 1)
     thresholds = thresholds_at(x, 0.5, seed=rows + 2)
@@ -208,14 +214,22 @@ def test_without_the_native_module_the_torch_reference_runs(monkeypatch):
 
 
 def test_types_without_runs_are_refused():
-    """Q6_K (and the other types) have no channel-run form: such a linear stays by rows."""
-    assert runs_take([T.Q4_0, T.Q4_K, T.Q4_1]) and runs_take([T.Q8_0])
-    assert not runs_take([T.Q6_K]) and not runs_take([T.Q4_0, T.Q8_0])
+    """Q5_K (and the other types without a form) stay by rows, and so do 4-bit and 8-bit forms side by side."""
+    assert runs_take([T.Q4_0, T.Q4_K, T.Q4_1]) and runs_take([T.Q8_0]) and runs_take([T.Q6_K, T.Q8_0])
+    assert not runs_take([T.Q5_K]) and not runs_take([T.Q4_0, T.Q8_0]) and not runs_take([T.Q4_K, T.Q6_K])
     with pytest.raises(ValueError, match="channel runs take"):
-        column_linear([GGUFTensor("w", T.Q6_K, (64, 256), random_blocks(T.Q6_K, 64, 256, np.random.default_rng(0)))],
+        column_linear([GGUFTensor("w", T.Q5_K, (64, 256), random_blocks(T.Q5_K, 64, 256, np.random.default_rng(0)))],
                       torch.zeros(256))
     with pytest.raises(ValueError, match="no channel-run form"):
         column_linear([matrix(T.Q4_0, 64, 64, 1), matrix(T.Q8_0, 64, 64, 2)], torch.zeros(64))
+
+
+def test_q6_k_beside_q8_0_takes_the_8_bit_form(each_isa):
+    """A Q4_K_M file's value projection (Q6_K) or a head beside Q8_0 rows: one 8-bit projection."""
+    matrices = [matrix(T.Q6_K, 70, 256, seed=30), matrix(T.Q8_0, 50, 256, seed=31)]
+    x = inputs(3, 256, seed=32)
+    thresholds = thresholds_at(x, 0.5, seed=33)
+    check(column_linear(matrices, thresholds), matrices, thresholds, x)
 
 
 def test_bad_shapes_are_refused():

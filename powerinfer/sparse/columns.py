@@ -2,11 +2,12 @@
 
 Per row of x, an input channel i with |x_i| <= thresholds[i] is skipped, and its weights are never
 read. The file keeps its rows; at load the native executor `SparseInputProjection`
-(powerinfer/ops/csrc/sparse_input.h) regroups them, without re-quantization, into channel runs: per
+(powerinfer/ops/csrc/sparse_input.h) regroups them into channel runs: per
 block of 32 inputs the block's scales for every output, then each channel's weights for every output,
 contiguous. The matrices of one projection (q, k and v; gate and up) go side by side along the
 outputs, so that a run is long enough that skipping it saves memory traffic. Q4_0, Q4_1, Q4_K and
-Q8_0 rows have such a form (RUN_TYPES); a linear of another type stays by rows.
+Q8_0 rows keep their bits; Q6_K rows (most files' output head) are re-quantized to int8 per 32 inputs,
+the one rounding the runs add; a linear of another type stays by rows (RUN_TYPES).
 
 Up to `SPARSE_MAX_ROWS` rows read only their active channels' runs (in groups of up to four rows,
 each run of the group's union read once), more rows (prefill) read all of them, each row's skipped
@@ -33,14 +34,15 @@ from powerinfer.sparse.select import kept
 # is most of them, and a matrix product of dequantized tiles is then faster.
 SPARSE_MAX_ROWS = 32
 
-# The row types that channel runs take: the 4-bit ones together, or Q8_0 alone (sparse_input.h).
+# The row types that channel runs take: the 4-bit ones together, or the 8-bit form's (sparse_input.h).
 FOUR_BIT_RUN_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
-RUN_TYPES = FOUR_BIT_RUN_TYPES | {T.Q8_0}
+EIGHT_BIT_RUN_TYPES = frozenset({T.Q8_0, T.Q6_K})  # Q6_K re-quantized to int8 per 32 inputs (sparse_input.h)
+RUN_TYPES = FOUR_BIT_RUN_TYPES | EIGHT_BIT_RUN_TYPES
 
 
 def runs_take(types: Sequence[T]) -> bool:
     """Whether matrices of these types, side by side, have a channel-run form."""
-    return all(t in FOUR_BIT_RUN_TYPES for t in types) or all(t == T.Q8_0 for t in types)
+    return all(t in FOUR_BIT_RUN_TYPES for t in types) or all(t in EIGHT_BIT_RUN_TYPES for t in types)
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def from_gguf(tensor: GGUFTensor) -> RowMatrix:
 
 def sparse_reference(matrices: Sequence[RowMatrix], thresholds: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """What the native projection computes, in plain torch: the channels above threshold of each row
-    times the dequantized weights, float32."""
+    times the dequantized weights, float32 (the file's own Q6_K weights: without the runs' rounding)."""
     x = x.float()
     x = torch.where(kept(x, thresholds), x, torch.zeros_like(x))
     return x @ torch.cat([m.dequantized() for m in matrices], dim=0).T

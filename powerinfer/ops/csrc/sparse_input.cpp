@@ -25,6 +25,23 @@ int q_at(const RunLayout& l, const uint8_t* block, int64_t c, int64_t o) {
   return high ? run[byte] >> 4 : run[byte] & 0x0F;
 }
 
+// Q6_K rows in the Q8 form, the one re-quantization of the runs (Q6_K has no form of its own): the
+// 32 values sc_j (q - 32) of two 16-value sub-blocks, each with its own scale sc_j, rounded to int8
+// on their largest magnitude, and d times that step as float16.
+void put_q6_k_as_q8(const RunLayout& l, const DecodedBlock& q, int64_t sub, float file_d, uint8_t* block, int64_t o) {
+  int v[QK], largest = 0;
+  for (int64_t c = 0; c < QK; ++c) {
+    const int64_t k = sub * QK + c;
+    v[c] = q.sc[k / QK_SUB] * (static_cast<int>(q.q[k]) - 32);
+    largest = std::max(largest, std::abs(v[c]));
+  }
+  const float step = static_cast<float>(largest) / 127.0f;  // of sc (q - 32) per int8 unit
+  const uint16_t dh = half_bits(file_d * step);
+  std::memcpy(block + l.d_at(o), &dh, 2);
+  for (int64_t c = 0; c < QK; ++c)
+    block[l.run_at(c) + q8_slot(o)] = static_cast<uint8_t>(largest ? static_cast<int8_t>(std::nearbyint(v[c] / step)) : 0);
+}
+
 }  // namespace
 
 RunLayout run_layout(const std::vector<int64_t>& types, const std::vector<int64_t>& outputs, int64_t in_features) {
@@ -40,7 +57,8 @@ RunLayout run_layout(const std::vector<int64_t>& types, const std::vector<int64_
       case GgmlType::Q4_0: q4 = true; break;
       case GgmlType::Q4_1:
       case GgmlType::Q4_K: q4 = min = true; break;
-      case GgmlType::Q8_0: q8 = true; break;
+      case GgmlType::Q8_0:
+      case GgmlType::Q6_K: q8 = true; break;
       default: throw std::invalid_argument("GGML type " + std::to_string(types[p]) + " has no channel-run form");
     }
     out += outputs[p];
@@ -160,6 +178,10 @@ SparseInputProjection::SparseInputProjection(const std::vector<torch::Tensor>& r
           const float file_m = half_to_float(reinterpret_cast<const uint8_t*>(&q.dmin));
           for (int64_t sub = 0; sub < per_block; ++sub) {  // K-quants: a 32-value sub-block per block of runs
             uint8_t* block = base + (fb * per_block + sub) * l.block_bytes();
+            if (f.type == GgmlType::Q6_K) {
+              put_q6_k_as_q8(l, q, sub, file_d, block, o);
+              continue;
+            }
             const float d = file_d * (f.sub_scales ? q.sc[sub] : 1);
             const float m = f.has_min ? file_m * (f.sub_scales ? q.mn[sub] : 1) : -8.0f * d;  // Q4_0 beside m: d q - 8 d
             const uint16_t dh = f.sub_scales ? half_bits(d) : q.d;  // the file's own bits where unscaled

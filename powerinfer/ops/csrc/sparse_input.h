@@ -1,7 +1,7 @@
 // Input-sparse linear layers (TEAL-style activation sparsity): y = x @ W.T where, per row of x,
 // the input channels with |x_i| <= threshold_i are skipped and their weights never read.
 //
-// Layout ("channel runs"), built at load from the file's own row blocks, without re-quantization:
+// Layout ("channel runs"), built at load from the file's own row blocks (re-quantized for Q6_K only):
 // per block of 32 input channels (the row blocks' unit), the block's scales for every output
 // (float16 d, then m where the form has one), then each of the 32 channels' weights for every
 // output, contiguous: a channel's run. A skipped channel is one run never read. Runs must be long:
@@ -11,7 +11,9 @@
 // threads split the input blocks, not the outputs.
 //   Forms: Q4 (Q4_0 rows: 4-bit q, w = d (q - 8)); Q4_MIN (Q4_1 and Q4_K rows, and Q4_0 beside them:
 //   w = d q + m; Q4_K's d times its sub-block scale and dmin times its minimum rounded to float16);
-//   Q8 (Q8_0 rows: int8 q, w = d q).
+//   Q8 (Q8_0 rows: int8 q, w = d q; Q6_K rows re-quantized to it, its two 16-value sub-blocks
+//   per run block rounded to int8 on one scale: its 6 + 2 bits would need a kernel of their own).
+//   Q6_K is the type of most files' output head and of Q4_K_M's value and down projections.
 //   Outputs are padded to a multiple of RUN_GROUP (zero weights). Within a run, each 64 outputs of a
 //   4-bit form are 32 bytes and each 64 outputs of Q8 are 64 bytes, ordered so that the AVX2 kernel's
 //   multiply-adds leave the sums in output order (q4_slot, q8_slot say where output o lies).
