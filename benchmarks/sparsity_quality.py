@@ -297,7 +297,7 @@ def plot(results: dict[str, list[Row]], path: Path) -> None:
                 ax.yaxis.set_minor_formatter(ScalarFormatter())
             elif base.speed:
                 ax.axhline(base.speed["tok_s"], color="grey", lw=0.8, ls=":", label="dense")
-            ax.set_xlabel("block linear weights not read per token, measured (%)")
+            ax.set_xlabel("weights of the sites (block linears, head) not read per token, measured (%)")
             ax.set_ylabel(ylabel)
             ax.set_title(f"{model}: wikitext-2 test, c={N_CTX}", fontsize=9)
             ax.legend(fontsize=8)
