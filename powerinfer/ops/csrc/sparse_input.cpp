@@ -25,14 +25,15 @@ int q_at(const RunLayout& l, const uint8_t* block, int64_t c, int64_t o) {
   return high ? run[byte] >> 4 : run[byte] & 0x0F;
 }
 
-// Q6_K rows in the Q8 form, the one re-quantization of the runs (Q6_K has no form of its own): the
-// 32 values sc_j (q - 32) of two 16-value sub-blocks, each with its own scale sc_j, rounded to int8
-// on their largest magnitude, and d times that step as float16.
-void put_q6_k_as_q8(const RunLayout& l, const DecodedBlock& q, int64_t sub, float file_d, uint8_t* block, int64_t o) {
+// Q6_K rows (f) in the Q8 form, the one re-quantization of the runs (Q6_K has no form of its own):
+// the 32 values sc_j (q - offset) of two 16-value sub-blocks, each with its own scale sc_j, rounded to
+// int8 on their largest magnitude, and d times that step as float16.
+void put_q6_k_as_q8(const BlockFormat& f, const RunLayout& l, const DecodedBlock& q, int64_t sub, float file_d,
+                    uint8_t* block, int64_t o) {
   int v[QK], largest = 0;
   for (int64_t c = 0; c < QK; ++c) {
     const int64_t k = sub * QK + c;
-    v[c] = q.sc[k / QK_SUB] * (static_cast<int>(q.q[k]) - 32);
+    v[c] = q.sc[k / f.sub] * (static_cast<int>(q.q[k]) - f.offset);
     largest = std::max(largest, std::abs(v[c]));
   }
   const float step = static_cast<float>(largest) / 127.0f;  // of sc (q - 32) per int8 unit
@@ -179,7 +180,7 @@ SparseInputProjection::SparseInputProjection(const std::vector<torch::Tensor>& r
           for (int64_t sub = 0; sub < per_block; ++sub) {  // K-quants: a 32-value sub-block per block of runs
             uint8_t* block = base + (fb * per_block + sub) * l.block_bytes();
             if (f.type == GgmlType::Q6_K) {
-              put_q6_k_as_q8(l, q, sub, file_d, block, o);
+              put_q6_k_as_q8(f, l, q, sub, file_d, block, o);
               continue;
             }
             const float d = file_d * (f.sub_scales ? q.sc[sub] : 1);
