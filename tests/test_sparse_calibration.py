@@ -16,6 +16,7 @@ from powerinfer.models import load_model
 from powerinfer.ops.linear import DenseLinear
 from powerinfer.options import FFNOptions
 from powerinfer.runtime.engine import Engine
+from powerinfer.runtime.kv_cache import SeqSpan
 from powerinfer.sparse.allocate import (
     PPL_SEARCH_STEPS,
     Allocator,
@@ -178,6 +179,28 @@ def test_allocation_has_less_block_error_than_uniform(calibrated, allocators):
         total_error[method] = sum(p.error(allocation.thresholds) for p in probes)
     assert len({round(a.sparsity, 3) for a in allocation.sites.values()}) > 1
     assert total_error["global"] < total_error["uniform"]
+
+
+def test_block_error_is_the_mean_of_each_tokens_relative_error(calibrated, allocators):
+    """What the greedy minimizes: per token |masked - dense|^2 / |dense|^2 of the block's output,
+    averaged over the probe tokens (a sum over tokens would be decided by the few with a huge
+    residual stream, as Gemma 3's first token)."""
+    model, calibration = calibrated
+    cache = model.new_cache(N_CTX, 1, "f32")
+    sites = layer_sites(calibration, 1)
+    thresholds = allocators["wina"].allocate(0.5, "uniform").thresholds
+    block = model.blocks[1]
+    ratios = []
+    with torch.inference_mode():
+        for x in calibration.probe_inputs[1]:
+            spans = [SeqSpan(0, 0, len(x))]
+            dense = block(x, spans, cache).double()
+            with masked(sites, thresholds):
+                sparse = block(x, spans, cache).double()
+            ratios.append((sparse - dense).square().sum(dim=1) / dense.square().sum(dim=1))
+    expected = float(torch.cat(ratios).mean())
+    assert expected > 0
+    assert BlockProbe(calibration, 1, sites, cache).error(thresholds) == pytest.approx(expected, rel=1e-6)
 
 
 def test_greedy_prefers_the_site_whose_masking_costs_less(tiny):
