@@ -25,6 +25,7 @@
 #ifdef POWERINFER_X86
 #include <immintrin.h>
 #endif
+#include "avx2_lanes.h"
 
 namespace powerinfer {
 
@@ -192,13 +193,7 @@ inline __m256 exp_nonpositive(__m256 x) {
 }
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
-inline float horizontal_sum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
+inline __m256 load8(const c10::Half* p) { return halves(p); }
 
 }  // namespace
 

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 
+#include "avx2_lanes.h"
+
 POWERINFER_TARGET_AVX2
 namespace powerinfer::avx2 {
 
@@ -88,12 +90,6 @@ inline float group_terms(const GroupFactors& g, int offset, const float* qsum16,
   return acc;
 }
 
-inline float horizontal_sum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
 // 8 int32 lanes, lane l = sum of unsigned u and signed s over bytes 4l .. 4l + 3 (|u s| <= 2^14)
 inline __m256i dot_bytes(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
@@ -125,10 +121,10 @@ float dot_blocks(const uint8_t* rec, const Section& s, const QuantizedX& x) {
 // Up to 8 float16 values from p as float32 lanes; lanes past `count` are 0 (a row's last scales may
 // end its record, which a full 16-byte load would overrun).
 inline __m256 halves8(const uint16_t* p, int64_t count) {
-  if (count == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  if (count == 8) return halves(p);
   alignas(16) uint16_t tail[8] = {};
   std::memcpy(tail, p, 2 * count);
-  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tail)));
+  return halves(tail);
 }
 
 // The scales of one group of up to 8 blocks of a 4- or 8-bit row, as float32 lanes (lane i: block

@@ -13,6 +13,8 @@
 #ifdef POWERINFER_X86
 #include <immintrin.h>
 
+#include "avx2_lanes.h"
+
 POWERINFER_TARGET_AVX2
 namespace powerinfer::avx2 {
 namespace {
@@ -95,8 +97,6 @@ inline __m256i widen(__m256i v) {
   return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)), _mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
 }
 
-inline __m256 half_vector(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
 template <bool SIGNED, int NIBBLE = -1>
 inline __m256 byte_vector(const uint8_t* p) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
@@ -110,8 +110,8 @@ template <int64_t TYPE>
 inline void sub_block_scales(const uint8_t* chunk, int64_t j, int h, __m256& dsc, __m256& min) {
   constexpr BlockFormat F = *find_format(TYPE);
   constexpr PackedLayout L = packed_layout(F);
-  const __m256 d = half_vector(chunk + L.d + 16 * h);
-  min = F.has_min ? half_vector(chunk + L.dmin + 16 * h) : _mm256_setzero_ps();
+  const __m256 d = halves(chunk + L.d + 16 * h);
+  min = F.has_min ? halves(chunk + L.dmin + 16 * h) : _mm256_setzero_ps();
   dsc = d;
   if constexpr (F.sub_scales) {
     const uint8_t* sc = chunk + L.sc + j * COLS + 8 * h;
@@ -209,7 +209,7 @@ void output_block_q8(const uint8_t* chunks, const PreparedInput& x, int64_t m0, 
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 d = half_vector(chunk + L.d + 16 * h);
+      const __m256 d = halves(chunk + L.d + 16 * h);
       for (int r = 0; r < ROWS; ++r)
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(scales[r * n_blocks + b])), acc[r][h]);
     }

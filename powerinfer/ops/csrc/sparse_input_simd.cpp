@@ -20,12 +20,11 @@
 
 #include <algorithm>
 
+#include "avx2_lanes.h"
+
 POWERINFER_TARGET_AVX2
 namespace powerinfer::avx2 {
 namespace {
-
-// 8 float16 values at p as float32
-inline __m256 halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // y[0..16) += the 16 int32 sums of lo and hi (8 each) times d * scale.
 inline void add_scaled(float* y, __m256i lo, __m256i hi, const uint8_t* d, __m256 scale) {

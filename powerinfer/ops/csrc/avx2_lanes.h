@@ -1,0 +1,25 @@
+// Lane helpers that every AVX2 kernel shares (float16 loads, horizontal sums). A target region, so
+// each file includes this header after all of its other #includes (common.h says why).
+#pragma once
+
+#include "common.h"
+
+#ifdef POWERINFER_X86
+#include <immintrin.h>
+
+POWERINFER_TARGET_AVX2
+namespace powerinfer::avx2 {
+
+// 8 float16 values at p as float32 lanes (F16C).
+inline __m256 halves(const void* p) { return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p))); }
+
+// The sum of v's 8 lanes.
+inline float horizontal_sum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+}  // namespace powerinfer::avx2
+POWERINFER_TARGET_END
+#endif
