@@ -24,7 +24,7 @@ uniform 1.041x, global 1.199x; at 40 %: 1.138x, 1.140x, 2.10x. "blockwise" is th
 global merge loses: a relative block error is not comparable across blocks (SmolLM2's residual
 stream has large outlier channels in some layers, which make their relative errors look small).
 (Those figures are of the error summed over tokens; BlockProbe now averages each token's relative
-error, which took Gemma 3 270M's blockwise 30 % from 1.29x to 1.035x test perplexity, uniform 1.044x:
+error, which took Gemma 3 270M's blockwise 30 % from 1.29x to 1.065x test perplexity (uniform 1.044x):
 benchmarks/results/sparsity_quality_head.md.)
 """
 
