@@ -36,7 +36,7 @@ void put_q6_k_as_q8(const BlockFormat& f, const RunLayout& l, const DecodedBlock
     v[c] = q.sc[k / f.sub] * (static_cast<int>(q.q[k]) - f.offset);
     largest = std::max(largest, std::abs(v[c]));
   }
-  const float step = static_cast<float>(largest) / 127.0f;  // of sc (q - 32) per int8 unit
+  const float step = static_cast<float>(largest) / 127.0f;  // of sc (q - offset) per int8 unit
   const uint16_t dh = half_bits(file_d * step);
   std::memcpy(block + l.d_at(o), &dh, 2);
   for (int64_t c = 0; c < QK; ++c)
