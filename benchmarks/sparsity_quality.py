@@ -66,7 +66,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "sparsity_quality.md"
 PLOT = ROOT / "benchmarks" / "results" / "sparsity_quality.png"
 SPARSE_FILES = LLAMA_CPP_BUILDS / "sparse"
 N_CTX = 512
-METHODS = ("uniform", "blockwise")
+METHODS = ("uniform", "blockwise", "measured")  # "measured": the file of whichever of the two it chooses
 SPEED_PROMPT = "The tower is 324 metres tall, about the same height as an 81-storey building"
 
 
@@ -110,6 +110,10 @@ class Calibrated:
     @cached_property
     def allocator(self):
         return Allocator(self.calibration)
+
+    def chosen(self, target: float) -> str:
+        """The method sparsify's default allocation ("measured") chooses at `target`, all sites taking part."""
+        return self.allocator.allocate(target, "measured").method
 
     @cached_property
     def break_even(self):
@@ -202,11 +206,13 @@ def measure_model(name: str, n_chunks: int, args) -> tuple[str, list[Row]]:
     rows = [(Row("dense", "dense", 0.0, lambda: source), f"{source.stem} dense")]
     if args.default_point:
         rows.append((Row(f"sparsify default (≤ {DEFAULT_MAX_PPL_INCREASE}x PPL on valid, sites that pay here)", "default", None,
-                         partial(calibrated.file, "blockwise", None)), f"{source.stem} {calibrated.digest} default"))
+                         partial(calibrated.file, "measured", None)), f"{source.stem} {calibrated.digest} default"))
     for target in args.targets:
         for method in args.methods:
-            rows.append((Row(f"{method} {target:.0%}", method, target, partial(calibrated.file, method, target)),
-                         f"{source.stem} {calibrated.digest} {method} {target:.0%}"))
+            written = calibrated.chosen(target) if method == "measured" else method  # the same file, the same row
+            label = f"{method} {target:.0%}" + (f" (= {written})" if written != method else "")
+            rows.append((Row(label, method, target, partial(calibrated.file, written, target)),
+                         f"{source.stem} {calibrated.digest} {written} {target:.0%}"))
     if args.cached_only:
         rows = [(row, key) for row, key in rows if cached_row(args.cache, test, key).exists()]
     for row, key in rows:
@@ -282,7 +288,7 @@ def plot(results: dict[str, list[Row]], path: Path) -> None:
         if speed:
             figures.append(("decode tok/s", lambda r: r.speed.get("tok_s")))
         for (ylabel, value), ax in zip(figures, axes[:, column]):
-            for method, marker in zip(METHODS, ("o-", "s-")):
+            for method, marker in zip(METHODS, ("o-", "s-", "^:")):
                 points = sorted((100 * r.sparsity, value(r)) for r in rows if r.method in (method, "dense"))
                 points = [p for p in points if p[1] is not None]
                 if len(points) > 1:
@@ -314,7 +320,7 @@ def main() -> int:
     parser.add_argument("--targets", type=lambda s: [float(t) for t in s.split(",") if t],
                         default=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7], help="model-wide target sparsities (comma-separated)")
     parser.add_argument("--methods", type=lambda s: [m for m in s.split(",") if m], default=list(METHODS),
-                        help="allocation methods (comma-separated; default: uniform,blockwise)")
+                        help="allocation methods (comma-separated; default: uniform,blockwise,measured)")
     parser.add_argument("--default-point", action=argparse.BooleanOptionalAction, default=True,
                         help="also the file at sparsify's default target")
     parser.add_argument("-t", "--threads", type=int, default=2)

@@ -132,7 +132,7 @@ def skipped_fraction(calibration, thresholds) -> float:
     return sum(skipped[n] / rows[n] * weights[n] for n in thresholds) / sum(weights.values())
 
 
-@pytest.mark.parametrize("method", ["uniform", "blockwise", "global"])
+@pytest.mark.parametrize("method", ["uniform", "blockwise", "global", "measured"])
 def test_allocation_hits_its_target(calibrated, allocators, method):
     _, calibration = calibrated
     for target in (0.3, 0.6):
@@ -248,11 +248,30 @@ def test_bad_targets_are_refused(calibrated, allocators):
 def test_max_perplexity_increase_finds_the_largest_target_within_it(calibrated, allocators):
     _, calibration = calibrated
     # the block sites: masking this random tiny model's head lowers its perplexity on random ids
-    allocator = Allocator(calibration, "wina", progress=False, taking_part=[s.name for s in calibration.sites if s.layer is not None])
+    allocator = Allocator(calibration, "wina", progress=False, measure_chunks=2,
+                          taking_part=[s.name for s in calibration.sites if s.layer is not None])
     chunks = calibration.chunks[:2]
     dense = calibration_perplexity(calibration, None, chunks)
-    allocation = allocator.within_perplexity(1.02, chunks=2)
-    assert calibration_perplexity(calibration, allocation, chunks) <= 1.02 * dense
-    assert 0 < allocation.target < 0.9
-    above = allocator.allocate(allocation.target + 0.9 / 2**PPL_SEARCH_STEPS)  # where the bisection stopped
-    assert calibration_perplexity(calibration, above, chunks) > 1.02 * dense
+    found = {}
+    for method in ("blockwise", "uniform"):
+        allocation = found[method] = allocator.within_perplexity(1.02, method)
+        assert allocation.method == method
+        assert calibration_perplexity(calibration, allocation, chunks) <= 1.02 * dense
+        assert 0 < allocation.target < 0.9
+        above = allocator.allocate(allocation.target + 0.9 / 2**PPL_SEARCH_STEPS, method)  # where the bisection stopped
+        assert calibration_perplexity(calibration, above, chunks) > 1.02 * dense
+    # "measured" keeps the larger of the two
+    measured = allocator.within_perplexity(1.02)
+    assert measured.sparsity == max(a.sparsity for a in found.values())
+
+
+def test_measured_allocation_is_whichever_method_the_calibration_perplexity_prefers(calibrated):
+    _, calibration = calibrated
+    allocator = Allocator(calibration, "wina", progress=False, measure_chunks=2,
+                          taking_part=[s.name for s in calibration.sites if s.layer is not None])
+    chunks = calibration.chunks[:2]
+    for target in (0.3, 0.6):
+        ppl = {m: calibration_perplexity(calibration, allocator.allocate(target, m), chunks) for m in ("blockwise", "uniform")}
+        measured = allocator.allocate(target)  # the default method
+        assert measured.method == min(ppl, key=ppl.get) and measured.target == target
+        assert calibration_perplexity(calibration, measured, chunks) == min(ppl.values())

@@ -31,10 +31,10 @@ def build_parser() -> OneLineParser:
     target.add_argument("--max-ppl-increase", type=number(float, 1), metavar="FACTOR",
                         help="the most sparsity whose perplexity on the calibration text stays within FACTOR times the "
                              f"dense model's (default: {DEFAULT_MAX_PPL_INCREASE} unless --target-sparsity is given)")
-    parser.add_argument("--allocation", choices=METHODS, default="blockwise",
-                        help="how the target is spread: uniform (every site alike, TEAL's baseline), blockwise (TEAL's "
-                             "greedy per block: the least perplexity on SmolLM2), global (one greedy across the model) "
-                             "(default: %(default)s)")
+    parser.add_argument("--allocation", choices=METHODS, default="measured",
+                        help="how the target is spread: measured (whichever of blockwise and uniform gives the calibration "
+                             "text the lower perplexity), uniform (every site alike, TEAL's baseline), blockwise (TEAL's "
+                             "greedy per block), global (one greedy across the model) (default: %(default)s)")
     parser.add_argument("--all-sites", action="store_true",
                         help="give every site that skips channels its thresholds, even where this CPU measured the "
                              "dense rows faster (a file for another machine; by default such sites run dense)")

@@ -51,7 +51,7 @@ class Target:
 
 
 def sparsify(llm: LLM, text: str, output: str | os.PathLike[str], target: Target = Target(), force: bool = False,
-             n_tokens: int | None = DEFAULT_TOKENS, method: Method = "blockwise", progress: bool = True,
+             n_tokens: int | None = DEFAULT_TOKENS, method: Method = "measured", progress: bool = True,
              all_sites: bool = False) -> Allocation:
     """Write `output`: `llm`'s file (loaded dense) sparsified on the calibration `text`, the target
     spread across sites by `method` (allocate.py); returns the allocation it holds. A site gets
@@ -86,7 +86,7 @@ def calibration_of(llm: LLM, text: str, n_tokens: int | None = DEFAULT_TOKENS, p
 
 
 def write_sparsified(llm: LLM, allocator: Allocator, output: str | os.PathLike[str], target: Target = Target(),
-                     method: Method = "blockwise", force: bool = False, progress: bool = True,
+                     method: Method = "measured", force: bool = False, progress: bool = True,
                      all_sites: bool = False, break_even: BreakEven | None = None) -> Allocation:
     """Write `output`: `llm`'s file sparsified by the allocation `target` and `method` give on the
     calibration of `allocator` (of `llm`'s own model: calibration_of), sites chosen as `sparsify`
