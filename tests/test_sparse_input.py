@@ -175,13 +175,28 @@ def test_threshold_zero_equals_the_dense_product(rows, each_isa):
 @pytest.mark.parametrize("rows", [SPARSE_MAX_ROWS + 1, 70])
 @pytest.mark.parametrize("form", ["4-bit", "Q8_0"])
 def test_many_rows_select_as_one_row_does(rows, form, each_isa):
-    """Prefill reads every channel but keeps each row's selection (its x not rounded)."""
+    """Prefill of a narrow projection reads every channel but keeps each row's selection (its x not
+    rounded)."""
     matrices = fused(seed=14) if form == "4-bit" else [matrix(T.Q8_0, 200, 256, seed=14)]
     x = inputs(rows, 256, seed=15)
     thresholds = thresholds_at(x, 0.5, seed=16)
     layer = column_linear(matrices, thresholds)
     check(layer, matrices, thresholds, x, rounds=False)
     assert layer.last_selected == int((x.abs() > thresholds).sum())
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_1])
+def test_many_rows_of_a_wide_projection_get_their_one_row_results_exactly(ggml_type, each_isa):
+    """A prefill through a head-like projection (8192 outputs or more) goes in groups of rows, as
+    decoding does: each row's bits are its one-row result's."""
+    m = matrix(ggml_type, 8200, 64, seed=25)
+    x = inputs(SPARSE_MAX_ROWS + 3, 64, seed=26)
+    thresholds = thresholds_at(x, 0.5, seed=27)
+    layer = column_linear([m], thresholds)
+    together = check(layer, [m], thresholds, x)
+    assert layer.last_selected == int((x.abs() > thresholds).sum())
+    for row in (0, SPARSE_MAX_ROWS, SPARSE_MAX_ROWS + 2):
+        assert torch.equal(layer(x[row:row + 1]), together[row:row + 1])
 
 
 def test_gguf_tensors_build_the_same_layer():

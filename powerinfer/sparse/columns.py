@@ -10,8 +10,9 @@ Q8_0 rows keep their bits; Q6_K rows (most files' output head) are re-quantized 
 the one rounding the runs add; a linear of another type stays by rows (RUN_TYPES).
 
 Up to `SPARSE_MAX_ROWS` rows read only their active channels' runs (in groups of up to four rows,
-each run of the group's union read once), more rows (prefill) read all of them, each row's skipped
-channels set to 0 (the same result: logits do not depend on batching). The
+each run of the group's union read once); more rows (prefill) do so too where the linear has many
+outputs (sparse_input.cpp), else read all the runs, each row's skipped channels set to 0 (the same
+result, to rounding: logits do not depend on batching). The
 kernels round x to int8 per block of 32 inputs, as the dense row kernels do. `sparse_reference` is
 the plain-torch reference, used where the native module is absent.
 """
@@ -30,8 +31,9 @@ from powerinfer.ops.quant import T, dequantize_rows
 from powerinfer.sparse.neurons import hugepage_buffer
 from powerinfer.sparse.select import kept
 
-# Calls with more rows than this read every channel (prefill): a union of many rows' channels
-# is most of them, and a matrix product of dequantized tiles is then faster.
+# Calls with more rows than this take the prefill path: a linear with few outputs then reads every
+# channel (a union of many rows' channels is most of them, and a matrix product of dequantized tiles
+# is then faster); one with many outputs goes on in groups of rows (sparse_input.cpp says where).
 SPARSE_MAX_ROWS = 32
 
 # The row types that channel runs take: the 4-bit ones together, or the 8-bit form's (sparse_input.h).

@@ -27,8 +27,9 @@
 // once, each row multiplying it by its own k (0 where the row skips the channel). Threads take fixed
 // ranges of blocks, each summing its own outputs, which are then added: a row's result does not
 // depend on the other rows of its call; it may differ in the last bits with the number of threads.
-// Many rows (prefill): each row's skipped channels set to 0, the runs dequantized to float32 a tile
-// of blocks at a time and multiplied by torch's matrix product (the runs stay the only copy).
+// Many rows (prefill) of a projection with few outputs: each row's skipped channels set to 0, the runs
+// dequantized to float32 a tile of blocks at a time and multiplied by torch's matrix product (the runs
+// stay the only copy); with many outputs, the groups of rows as above (GROUPED_PREFILL_OUTPUTS).
 // Plain-torch reference: powerinfer/sparse/columns.py.
 #pragma once
 
@@ -121,7 +122,7 @@ struct SparseInputProjection : Projection {
   torch::Tensor runs;        // uint8 [layout.bytes()]
   torch::Tensor thresholds;  // float32 [in]: channel i is active in a row where |x_i| > thresholds[i]
   RunLayout layout;
-  int64_t sparse_max_rows;  // calls with more rows take the prefill path (all channels read)
+  int64_t sparse_max_rows;  // calls with more rows take the prefill path (sparse_input.cpp says which)
 
   // rows: per matrix, its raw GGML rows uint8 [outputs, row bytes]; types: their GGML types;
   // destination: where the runs go (the caller's memory, e.g. on huge pages), uint8 of
