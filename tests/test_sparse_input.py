@@ -187,8 +187,8 @@ def test_many_rows_select_as_one_row_does(rows, form, each_isa):
 
 @pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_1])
 def test_many_rows_of_a_wide_projection_get_their_one_row_results_exactly(ggml_type, each_isa):
-    """A prefill through a head-like projection (8192 outputs or more) goes in groups of rows, as
-    decoding does: each row's bits are its one-row result's."""
+    """A prefill through a wide projection (4096 outputs or more: heads, 7B widths) goes in groups of
+    rows, as decoding does: each row's bits are its one-row result's."""
     m = matrix(ggml_type, 8200, 64, seed=25)
     x = inputs(SPARSE_MAX_ROWS + 3, 64, seed=26)
     thresholds = thresholds_at(x, 0.5, seed=27)

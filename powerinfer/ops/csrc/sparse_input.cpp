@@ -128,14 +128,15 @@ RunKernels run_kernels() {
 // 16 MiB tiles 27 ms, 1 MiB 13 ms).
 constexpr int64_t TILE_BYTES = 1 << 20;
 
-// Prefill (more than sparse_max_rows rows) of projections with at least this many outputs (heads, wide
-// FFN inputs: long runs) goes through the runs in groups of rows as decoding does, not through
-// dequantized tiles (AVX2 EPYC, 2 threads, 30 % skipped, against the dense row kernels, groups / tiles:
-// a 262k x 640 Q8_0 head at 64 rows 0.57x / 0.31x; SmolLM2's 49k x 576 head at 33-256 rows 0.74-0.77x /
-// 0.22-0.44x; 4096 -> 11008 Q4_0 at 64-256 rows 0.85-0.87x / 0.44-0.46x; but 576 -> 3072 Q4_1 at 512
-// rows 0.62x / 0.80x, 1536 -> 576 0.29x / 0.68x: the tiles' float product gains with rows where the
-// runs are short).
-constexpr int64_t GROUPED_PREFILL_OUTPUTS = 8192;
+// Prefill (more than sparse_max_rows rows) of projections with at least this many outputs (heads, 7B
+// widths: long runs) goes through the runs in groups of rows as decoding does, not through dequantized
+// tiles (AVX2 EPYC, 2 threads, 30 % skipped, against the dense row kernels, groups / tiles: a 262k x
+// 640 Q8_0 head at 64 rows 0.57x / 0.31x; SmolLM2's 49k x 576 head at 33-256 rows 0.74-0.77x /
+// 0.22-0.44x; Q4_0 4096 -> 11008 at 64-256 rows 0.85-0.87x / 0.44-0.46x, 4096 -> 4096 at 64-512 rows
+// 0.72-0.80x / 0.41-0.56x, 640 -> 4096 at 64 and 512 rows 0.69x, 0.70x / 0.29x, 0.54x, 11008 -> 4096 at
+// 64 and 256 rows 0.60x, 0.66x / 0.42x, 0.67x; but Q4_1 576 -> 3072 at 512 rows 0.62x / 0.80x, 1536 ->
+// 576 0.29x / 0.68x: where the runs are short, the tiles' float product gains with the rows).
+constexpr int64_t GROUPED_PREFILL_OUTPUTS = 4096;
 
 // Blocks of 32 inputs per thread at least this many: fewer cost more in thread start than they save.
 constexpr int64_t MIN_TASK_BLOCKS = 4;
