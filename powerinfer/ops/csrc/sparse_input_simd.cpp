@@ -33,13 +33,12 @@ inline void add_scaled(float* y, __m256i lo, __m256i hi, __m256 d_lo, __m256 d_h
   _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(scale, d_hi), _mm256_loadu_ps(y + 8)));
 }
 
-// y[0..16) += (m + 8 d) * rounded_sum: Q4_MIN's term for what the centred sums left out.
-inline void add_minimum(float* y, const uint8_t* d, const uint8_t* m, __m256 rounded_sum) {
+// y[0..16) += (m + 8 d) * rounded_sum, d as float32 (d_lo, d_hi), m float16 at `m`: Q4_MIN's term for
+// what the centred sums left out.
+inline void add_minimum(float* y, __m256 d_lo, __m256 d_hi, const uint8_t* m, __m256 rounded_sum) {
   const __m256 eight = _mm256_set1_ps(8.0f);
-  for (int h = 0; h < 2; ++h) {
-    const __m256 dv = halves(d + 16 * h), mv = halves(m + 16 * h);
-    _mm256_storeu_ps(y + 8 * h, _mm256_fmadd_ps(_mm256_fmadd_ps(eight, dv, mv), rounded_sum, _mm256_loadu_ps(y + 8 * h)));
-  }
+  _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_fmadd_ps(eight, d_lo, halves(m)), rounded_sum, _mm256_loadu_ps(y)));
+  _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_fmadd_ps(eight, d_hi, halves(m + 16)), rounded_sum, _mm256_loadu_ps(y + 8)));
 }
 
 // Sums of the 4-bit kernel, all rows of a chunk: 16 KB of int16, in L1 while each active channel's
@@ -160,11 +159,13 @@ void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
       __m256i q[4];
       in_order(_mm256_load_si256(reinterpret_cast<const __m256i*>(acc + r * chunk + g)),
                _mm256_load_si256(reinterpret_cast<const __m256i*>(acc + r * chunk + g + 16)), q);
-      add_scaled(yr + o, q[0], q[1], halves(block + l.d_at(o)), halves(block + l.d_at(o + 8)), row_scale);
-      add_scaled(yr + o + 16, q[2], q[3], halves(block + l.d_at(o + 16)), halves(block + l.d_at(o + 24)), row_scale);
+      __m256 d[4];  // outputs o .. o + 31, once for the sums and the minimum term
+      for (int h = 0; h < 4; ++h) d[h] = halves(block + l.d_at(o + 8 * h));
+      add_scaled(yr + o, q[0], q[1], d[0], d[1], row_scale);
+      add_scaled(yr + o + 16, q[2], q[3], d[2], d[3], row_scale);
       if (l.has_min()) {
-        add_minimum(yr + o, block + l.d_at(o), block + l.m_at(o), rounded_sum);
-        add_minimum(yr + o + 16, block + l.d_at(o + 16), block + l.m_at(o + 16), rounded_sum);
+        add_minimum(yr + o, d[0], d[1], block + l.m_at(o), rounded_sum);
+        add_minimum(yr + o + 16, d[2], d[3], block + l.m_at(o + 16), rounded_sum);
       }
     }
   }
