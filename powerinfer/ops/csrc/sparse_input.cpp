@@ -106,8 +106,8 @@ void add_runs(const RunLayout& l, const uint8_t* runs, const Selection& s, int64
 
 namespace {
 
-// The kernels of the active instruction set (AVX-512 CPUs take the AVX2 ones: reading the runs is
-// bound by memory, not by vector width).
+// The kernels of the active instruction set (AVX-512 CPUs take AVX2's dequantizer, which serves
+// prefill tiles only).
 struct RunKernels {
   RunKernel add;
   BlockDequantizer dequantize;
@@ -116,7 +116,7 @@ struct RunKernels {
 RunKernels run_kernels() {
   switch (active_isa()) {
 #ifdef POWERINFER_X86
-    case Isa::AVX512:
+    case Isa::AVX512: return {avx512::add_runs, avx2::dequantize_block};
     case Isa::AVX2: return {avx2::add_runs, avx2::dequantize_block};
 #endif
     default: return {scalar::add_runs, scalar::dequantize_block};

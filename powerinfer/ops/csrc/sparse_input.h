@@ -117,6 +117,9 @@ namespace avx2 {
 void add_runs(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y);
 void dequantize_block(const RunLayout& layout, const uint8_t* block, int64_t o0, float* out, int64_t ld);
 }
+namespace avx512 {
+void add_runs(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y);
+}
 
 struct SparseInputProjection : Projection {
   torch::Tensor runs;        // uint8 [layout.bytes()]

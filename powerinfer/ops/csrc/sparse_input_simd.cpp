@@ -72,17 +72,27 @@ inline void group_runs(const RunLayout& l, const uint8_t* block, const Selection
 // Row r's k of channel c, 0 past j1.
 inline int8_t k_of(const Selection& s, int32_t c, int32_t j1, int r) { return c < j1 ? s.k[c * s.rows + r] : 0; }
 
+// Row r's [k_c, k_c+1] as two int16 in one int32 (Q8 runs, for madd), 0 past j1.
+inline int32_t wide_pair(const Selection& s, int32_t c, int32_t j1, int r) {
+  return static_cast<int32_t>(static_cast<uint16_t>(k_of(s, c, j1, r)) |
+                              static_cast<uint32_t>(static_cast<uint16_t>(k_of(s, c + 1, j1, r))) << 16);
+}
+
+// Row r's [k_c, k_c+1] as two bytes in one int16 (4-bit runs, for maddubs), 0 past j1.
+inline int16_t byte_pair(const Selection& s, int32_t c, int32_t j1, int r) {
+  return static_cast<int16_t>(static_cast<uint8_t>(k_of(s, c, j1, r)) | static_cast<uint8_t>(k_of(s, c + 1, j1, r)) << 8);
+}
+
 // Per pair of the group [j, j + G) and per row, [k_j, k_j+1] broadcast: as two bytes (4-bit runs,
 // for maddubs) or, WIDE, as two int16 (Q8 runs, for madd).
 template <int G, int R, bool WIDE>
 inline void pair_ks(const Selection& s, int32_t j, int32_t j1, __m256i k[G / 2][R]) {
   for (int h = 0; h < G / 2; ++h)
     for (int r = 0; r < R; ++r) {
-      const int8_t k0 = k_of(s, j + 2 * h, j1, r), k1 = k_of(s, j + 2 * h + 1, j1, r);
       if constexpr (WIDE)
-        k[h][r] = _mm256_set1_epi32(static_cast<int32_t>(static_cast<uint16_t>(k0) | static_cast<uint32_t>(static_cast<uint16_t>(k1)) << 16));
+        k[h][r] = _mm256_set1_epi32(wide_pair(s, j + 2 * h, j1, r));
       else
-        k[h][r] = _mm256_set1_epi16(static_cast<int16_t>(static_cast<uint8_t>(k0) | static_cast<uint8_t>(k1) << 8));
+        k[h][r] = _mm256_set1_epi16(byte_pair(s, j + 2 * h, j1, r));
     }
 }
 
@@ -105,6 +115,24 @@ inline void in_order(__m256i lo, __m256i hi, __m256i q[4]) {
   q[1] = _mm256_permute2x128_si256(lo_even, hi_even, 0x31);
   q[2] = _mm256_permute2x128_si256(lo_odd, hi_odd, 0x20);
   q[3] = _mm256_permute2x128_si256(lo_odd, hi_odd, 0x31);
+}
+
+// y[o .. o + 32) += a row's 4-bit sums of those outputs (the int16 vectors at lo, hi: slot order, see
+// in_order) times the block's d and the row's scale, plus Q4_MIN's minimum term.
+inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, int64_t o, const int16_t* lo, const int16_t* hi,
+                           float scale, int32_t k_sum, float* y) {
+  const __m256 row_scale = _mm256_set1_ps(scale);
+  __m256i q[4];
+  in_order(_mm256_load_si256(reinterpret_cast<const __m256i*>(lo)), _mm256_load_si256(reinterpret_cast<const __m256i*>(hi)), q);
+  __m256 d[4];  // once for the sums and the minimum term
+  for (int h = 0; h < 4; ++h) d[h] = halves(block + l.d_at(o + 8 * h));
+  add_scaled(y + o, q[0], q[1], d[0], d[1], row_scale);
+  add_scaled(y + o + 16, q[2], q[3], d[2], d[3], row_scale);
+  if (l.has_min()) {
+    const __m256 rounded_sum = _mm256_set1_ps(scale * static_cast<float>(k_sum));
+    add_minimum(y + o, d[0], d[1], block + l.m_at(o), rounded_sum);
+    add_minimum(y + o + 16, d[2], d[3], block + l.m_at(o + 16), rounded_sum);
+  }
 }
 
 // 4-bit runs, R rows, outputs [c0, c0 + chunk) of block i. Channels go Q4_GROUP at a time, in pairs:
@@ -151,23 +179,7 @@ void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
   }
   for (int r = 0; r < R; ++r) {
     if (scale[r] == 0.0f) continue;  // nothing of this row in the block
-    const __m256 row_scale = _mm256_set1_ps(scale[r]);
-    const __m256 rounded_sum = _mm256_set1_ps(scale[r] * static_cast<float>(k_sum[r]));
-    float* yr = y + r * l.padded;
-    for (int64_t g = 0; g < n; g += 32) {
-      const int64_t o = c0 + g;
-      __m256i q[4];
-      in_order(_mm256_load_si256(reinterpret_cast<const __m256i*>(acc + r * chunk + g)),
-               _mm256_load_si256(reinterpret_cast<const __m256i*>(acc + r * chunk + g + 16)), q);
-      __m256 d[4];  // outputs o .. o + 31, once for the sums and the minimum term
-      for (int h = 0; h < 4; ++h) d[h] = halves(block + l.d_at(o + 8 * h));
-      add_scaled(yr + o, q[0], q[1], d[0], d[1], row_scale);
-      add_scaled(yr + o + 16, q[2], q[3], d[2], d[3], row_scale);
-      if (l.has_min()) {
-        add_minimum(yr + o, d[0], d[1], block + l.m_at(o), rounded_sum);
-        add_minimum(yr + o + 16, d[2], d[3], block + l.m_at(o + 16), rounded_sum);
-      }
-    }
+    for (int64_t g = 0; g < n; g += 32) add_q4_outputs(l, block, c0 + g, acc + r * chunk + g, acc + r * chunk + g + 16, scale[r], k_sum[r], y + r * l.padded);
   }
 }
 
@@ -284,23 +296,30 @@ namespace {
 // sums of a chunk stay in cache while every block adds to them (block by block over all outputs, a
 // 262k-output head's float sums, 1 MB a row, go to memory and back once per block: measured 1.15-1.25x
 // slower with four rows, alike with one).
-template <int R>
+// Piece: the kernel of one block's runs for one chunk of outputs (this file's AVX2 one, or AVX-512's).
+using Q8Piece = void (*)(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0,
+                         int64_t chunk, float* y, int32_t* acc);
+
+template <int R, Q8Piece piece = add_q8_piece<R>>
 void add_q8_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
-  alignas(32) int32_t acc[Q8_SUMS];
+  alignas(64) int32_t acc[Q8_SUMS];
   constexpr int64_t chunk = std::min<int64_t>(Q8_CHUNK, Q8_SUMS / R / RUN_GROUP * RUN_GROUP);
   for (int64_t c0 = 0; c0 < l.padded; c0 += chunk)
-    for (int64_t i = i0; i < i1; ++i) add_q8_piece<R>(l, runs, s, i, c0, chunk, y, acc);
+    for (int64_t i = i0; i < i1; ++i) piece(l, runs, s, i, c0, chunk, y, acc);
 }
 
 // 4-bit: block by block, each block's runs chunk after chunk, so that a run's pieces are read in
 // order (chunk by chunk over the blocks, each piece a new stream: measured 1.1-1.3x slower on a
 // 4096 -> 22016 Q4_0 linear, one row, 40-50 % skipped).
-template <int R>
+using Q4Piece = void (*)(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0,
+                         int64_t chunk, float* y, int16_t* acc);
+
+template <int R, Q4Piece piece = add_q4_piece<R>>
 void add_q4_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
-  alignas(32) int16_t acc[Q4_SUMS];
+  alignas(64) int16_t acc[Q4_SUMS];
   constexpr int64_t chunk = Q4_SUMS / R / RUN_GROUP * RUN_GROUP;
   for (int64_t i = i0; i < i1; ++i)
-    for (int64_t c0 = 0; c0 < l.padded; c0 += chunk) add_q4_piece<R>(l, runs, s, i, c0, chunk, y, acc);
+    for (int64_t c0 = 0; c0 < l.padded; c0 += chunk) piece(l, runs, s, i, c0, chunk, y, acc);
 }
 
 }  // namespace
@@ -317,5 +336,141 @@ void add_runs(const RunLayout& l, const uint8_t* runs, const Selection& s, int64
 }
 
 }  // namespace powerinfer::avx2
+POWERINFER_TARGET_END
+
+// The AVX-512 kernels: the AVX2 kernels' order of work (avx2::add_q4_blocks, add_q8_blocks) and
+// helpers, twice the outputs per instruction; Q8 runs with VNNI's `_mm512_dpwssd_epi32` doing a pair's
+// multiply-add and the sum in one instruction.
+POWERINFER_TARGET_AVX512
+namespace powerinfer::avx512 {
+namespace {
+
+// 4-bit runs, R rows, outputs [c0, c0 + chunk) of block i (see avx2::add_q4_piece): 128 outputs per
+// step, each 256-bit half of a vector what the AVX2 kernel computes for 64 of them. acc: per row and
+// 128 outputs, the AVX2 kernel's four int16 vectors of the first 64 (a0..a3) and of the next 64 (b0..b3)
+// stored as a0 b0 a1 b1 a2 b2 a3 b3.
+template <int R>
+void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
+                  float* y, int16_t* acc) {
+  using namespace avx2;
+  const uint8_t* block = runs + s.blocks[i] * l.block_bytes();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int32_t j0 = s.start[i], j1 = s.start[i + 1];
+  const float* scale = &s.scale[i * R];
+  const int32_t* k_sum = &s.k_sum[i * R];
+  const int64_t n = std::min(chunk, l.padded - c0);
+  for (int r = 0; r < R; ++r) {
+    const __m512i init = _mm512_set1_epi16(static_cast<int16_t>(-8 * k_sum[r]));  // wraps: the sums fit int16
+    for (int64_t o = 0; o < n; o += 32) _mm512_store_si512(acc + r * chunk + o, init);
+  }
+  for (int32_t j = j0; j < j1; j += Q4_GROUP) {
+    fetch_stream_starts<Q4_GROUP>(l, block, s, j, j1, c0 / 2, std::min(n / 2, STREAM_START));
+    const uint8_t* w[Q4_GROUP];
+    group_runs<Q4_GROUP>(l, block, s, j, j1, c0 / 2, w);
+    __m512i k[Q4_GROUP / 2][R];
+    for (int h = 0; h < Q4_GROUP / 2; ++h)
+      for (int r = 0; r < R; ++r) k[h][r] = _mm512_set1_epi16(byte_pair(s, j + 2 * h, j1, r));
+    for (int64_t g = 0; g < n; g += 128) {
+      __m512i both[Q4_GROUP / 2][4];
+      for (int h = 0; h < Q4_GROUP / 2; ++h) {
+        const __m512i v0 = _mm512_loadu_si512(w[2 * h] + g / 2), v1 = _mm512_loadu_si512(w[2 * h + 1] + g / 2);
+        const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+        const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+        both[h][0] = _mm512_unpacklo_epi8(lo0, lo1), both[h][1] = _mm512_unpackhi_epi8(lo0, lo1);
+        both[h][2] = _mm512_unpacklo_epi8(hi0, hi1), both[h][3] = _mm512_unpackhi_epi8(hi0, hi1);
+      }
+      for (int r = 0; r < R; ++r) {
+        int16_t* a = acc + r * chunk + g;
+        for (int u = 0; u < 4; ++u)
+          _mm512_store_si512(a + 32 * u, _mm512_add_epi16(_mm512_load_si512(a + 32 * u),
+                                                         _mm512_add_epi16(_mm512_maddubs_epi16(both[0][u], k[0][r]),
+                                                                          _mm512_maddubs_epi16(both[1][u], k[1][r]))));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (scale[r] == 0.0f) continue;  // nothing of this row in the block
+    for (int64_t g = 0; g < n; g += 128)
+      for (int half = 0; half < 2; ++half)    // outputs g + 64 half ..: the a or b vectors
+        for (int q = 0; q < 2; ++q) {         // their first 32 outputs (a0, a1) or the next (a2, a3)
+          const int16_t* v = acc + r * chunk + g + 16 * half + 64 * q;
+          add_q4_outputs(l, block, c0 + g + 64 * half + 32 * q, v, v + 32, scale[r], k_sum[r], y + r * l.padded);
+        }
+  }
+}
+
+// Q8 runs, R rows, outputs [c0, c0 + chunk) of block i (see avx2::add_q8_piece). Per 32 outputs the
+// sums of a row are two vectors in slot order [0 8 1 9 | 4 12 5 13 | 16 24 17 25 | 20 28 21 29] and
+// [2 10 3 11 | 6 14 7 15 | 18 26 19 27 | 22 30 23 31] (a pair's int16 interleaved per 128-bit lane).
+template <int R>
+void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
+                  float* y, int32_t* acc) {
+  using namespace avx2;
+  constexpr int P = Q8_GROUP / 2;
+  const uint8_t* block = runs + s.blocks[i] * l.block_bytes();
+  const int32_t j0 = s.start[i], j1 = s.start[i + 1];
+  const float* scale = &s.scale[i * R];
+  const int64_t n = std::min(chunk, l.padded - c0);
+  std::fill(acc, acc + R * chunk, 0);
+  for (int32_t j = j0; j < j1; j += Q8_GROUP) {
+    fetch_stream_starts<Q8_GROUP>(l, block, s, j, j1, c0, std::min(n, STREAM_START));
+    const uint8_t* w[Q8_GROUP];
+    group_runs<Q8_GROUP>(l, block, s, j, j1, c0, w);
+    __m512i k[P][R];
+    for (int h = 0; h < P; ++h)
+      for (int r = 0; r < R; ++r) k[h][r] = _mm512_set1_epi32(wide_pair(s, j + 2 * h, j1, r));
+    for (int64_t g = 0; g < n; g += 32) {
+      __m512i lo[P], hi[P];
+      for (int h = 0; h < P; ++h) {
+        const __m512i v0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[2 * h] + g)));
+        const __m512i v1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[2 * h + 1] + g)));
+        lo[h] = _mm512_unpacklo_epi16(v0, v1), hi[h] = _mm512_unpackhi_epi16(v0, v1);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t* a = acc + r * chunk + g;
+        __m512i sum_lo = _mm512_load_si512(a), sum_hi = _mm512_load_si512(a + 16);
+        for (int h = 0; h < P; ++h) {
+          sum_lo = _mm512_dpwssd_epi32(sum_lo, lo[h], k[h][r]);
+          sum_hi = _mm512_dpwssd_epi32(sum_hi, hi[h], k[h][r]);
+        }
+        _mm512_store_si512(a, sum_lo);
+        _mm512_store_si512(a + 16, sum_hi);
+      }
+    }
+  }
+  // from the two vectors of slot order above: outputs 0-15 (first), 16-31 (first + 8)
+  const __m512i first = _mm512_setr_epi32(0, 2, 16, 18, 4, 6, 20, 22, 1, 3, 17, 19, 5, 7, 21, 23);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  for (int64_t g = 0; g < n; g += 32) {
+    const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + l.d_at(c0 + g))));
+    const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + l.d_at(c0 + g + 16))));
+    for (int r = 0; r < R; ++r) {
+      if (scale[r] == 0.0f) continue;  // nothing of this row in the block
+      const __m512i a = _mm512_load_si512(acc + r * chunk + g), b = _mm512_load_si512(acc + r * chunk + g + 16);
+      const __m512 row_scale = _mm512_set1_ps(scale[r]);
+      float* yr = y + r * l.padded + c0 + g;
+      _mm512_storeu_ps(yr, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(a, first, b)),
+                                           _mm512_mul_ps(row_scale, d0), _mm512_loadu_ps(yr)));
+      _mm512_storeu_ps(yr + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_permutex2var_epi32(a, second, b)),
+                                                _mm512_mul_ps(row_scale, d1), _mm512_loadu_ps(yr + 16)));
+    }
+  }
+}
+
+}  // namespace
+
+void add_runs(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
+  static_assert(MAX_GROUP_ROWS == 4, "one kernel per group size");
+  using avx2::add_q4_blocks, avx2::add_q8_blocks;
+  const bool q8 = l.form == RunForm::Q8;
+  switch (s.rows) {
+    case 1: return q8 ? add_q8_blocks<1, add_q8_piece<1>>(l, runs, s, i0, i1, y) : add_q4_blocks<1, add_q4_piece<1>>(l, runs, s, i0, i1, y);
+    case 2: return q8 ? add_q8_blocks<2, add_q8_piece<2>>(l, runs, s, i0, i1, y) : add_q4_blocks<2, add_q4_piece<2>>(l, runs, s, i0, i1, y);
+    case 3: return q8 ? add_q8_blocks<3, add_q8_piece<3>>(l, runs, s, i0, i1, y) : add_q4_blocks<3, add_q4_piece<3>>(l, runs, s, i0, i1, y);
+    default: return q8 ? add_q8_blocks<4, add_q8_piece<4>>(l, runs, s, i0, i1, y) : add_q4_blocks<4, add_q4_piece<4>>(l, runs, s, i0, i1, y);
+  }
+}
+
+}  // namespace powerinfer::avx512
 POWERINFER_TARGET_END
 #endif
