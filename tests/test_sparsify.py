@@ -24,6 +24,7 @@ from transformers import (
 
 from powerinfer import LLM
 from powerinfer.gguf import open_gguf
+from powerinfer.ops import native
 from powerinfer.sparse import sparsify as sparsify_module
 from powerinfer.sparse.allocate import Allocator
 from powerinfer.sparse.payoff import NEVER, BreakEven
@@ -101,16 +102,22 @@ def test_sparsified_model_decodes_as_its_masked_dense_form(sparsified):
     (--sparsity off) with every stored site's input masked by the file's thresholds (TEAL's
     selection: channel i read when |x_i| > threshold_i), and differ from the unmasked ones."""
     _, output = sparsified
-    sparse, dense = LLM(output), LLM(output, sparsity="off")
+    if "avx2" not in native.instruction_sets():
+        pytest.skip("the reference needs the AVX2 row kernels (x rounded to int8, as the channel runs round it)")
+    sparse = LLM(output)
     ids = sparse.tokenize(PROMPT)[:24]
     ours = decode_logits(sparse, ids)
     thresholds = {name.removesuffix(THRESHOLDS_SUFFIX): torch.from_numpy(np.array(t.data, dtype=np.float32))
                   for name, t in open_gguf(output).tensors.items() if name.endswith(THRESHOLDS_SUFFIX)}
-    with masked(model_sites(dense.model), thresholds):
-        expected = decode_logits(dense, ids)
-    unmasked = decode_logits(dense, ids)
-    # the reference runs the torch path, the file the native step; the kernels round x to int8 per
-    # block of 32 inputs: a few tenths of a percent per linear
+    # The reference runs the torch path through the AVX2 row kernels, which round x to int8 per block
+    # of 32 inputs as the runs do on every instruction set (a few tenths of a percent per linear). The
+    # AVX-512 and scalar row kernels round x to bfloat16 instead, and on these tiny random models that
+    # difference moves later layers' inputs across their thresholds: 30 % of the largest logit.
+    with native.instruction_set("avx2"):
+        dense = LLM(output, sparsity="off")
+        with masked(model_sites(dense.model), thresholds):
+            expected = decode_logits(dense, ids)
+        unmasked = decode_logits(dense, ids)
     error = (ours - expected).abs().max()
     assert error < 1e-2 * expected.abs().max()
     assert (ours - unmasked).abs().max() > 10 * error
