@@ -30,7 +30,7 @@ from powerinfer.sparse.allocate import Allocator
 from powerinfer.sparse.payoff import NEVER, BreakEven
 from powerinfer.sparse.sites import HEAD, masked, model_sites
 from powerinfer.sparse.sparsify import Target, calibration_of, sparsify, write_sparsified
-from powerinfer.sparse.storage import THRESHOLDS_SUFFIX
+from powerinfer.sparse.storage import THRESHOLDS_SUFFIX, sparse_sites
 from powerinfer.tokenizer import Tokenizer
 
 from conftest import convert_each, make_tiny_llama
@@ -218,6 +218,9 @@ def test_the_quality_budget_goes_to_the_sites_that_pay(tmp_path, default_model, 
     assert names - {t.name for t in GGUFReader(source).tensors} == {HEAD + THRESHOLDS_SUFFIX}
     assert allocation.sites[HEAD].sparsity == pytest.approx(0.4)
     assert all(a.sparsity == 0 for name, a in allocation.sites.items() if name != HEAD)
+    # what sparsify reports skipped: the share of the sites the file holds thresholds for
+    assert sparse_sites(open_gguf(output)) == {HEAD}
+    assert allocation.sparsity_at({HEAD}) == allocation.sparsity > allocation.sparsity_at(set()) == 0
     sparse, dense = LLM(output), LLM(output, sparsity="off")
     ids = sparse.tokenize(PROMPT)[:12]
     thresholds = {HEAD: torch.from_numpy(np.array(open_gguf(output).tensor(HEAD + THRESHOLDS_SUFFIX).data, dtype=np.float32))}

@@ -9,11 +9,13 @@ import sys
 from powerinfer.commands.files import add_force_option, read_text
 from powerinfer.commands.model_flags import add_model_source, model_path
 from powerinfer.commands.parsing import MAX_THREADS, OneLineParser, command_parser, number, positive_int, unit_interval
+from powerinfer.gguf import open_gguf
 from powerinfer.llm import LLM
 from powerinfer.outputs import check_output_file
 from powerinfer.sparse.allocate import METHODS
 from powerinfer.sparse.calibrate import DEFAULT_TOKENS
 from powerinfer.sparse.sparsify import DEFAULT_MAX_PPL_INCREASE, Target, sparsify
+from powerinfer.sparse.storage import sparse_sites
 
 
 def build_parser() -> OneLineParser:
@@ -50,7 +52,8 @@ def main(args: argparse.Namespace) -> int:
     allocation = sparsify(llm, text, args.output, Target(args.target_sparsity, args.max_ppl_increase), args.force,
                           args.tokens, args.allocation, all_sites=args.all_sites)
     where = "every site that skips" if args.all_sites else "the sites whose skipping pays on this CPU"
-    print(f"wrote {args.output}: {allocation.sparsity:.1%} of the linears' weights (blocks and output head) skipped per "
+    skipping = sparse_sites(open_gguf(args.output))  # the allocation's sites less those that run dense here
+    print(f"wrote {args.output}: {allocation.sparsity_at(skipping):.1%} of the linears' weights (blocks and output head) skipped per "
           f"token on the calibration text, at {where} ({allocation.criterion} thresholds, {allocation.method} "
           "allocation)", file=sys.stderr)
     return 0

@@ -85,7 +85,11 @@ class Allocation:
     @property
     def sparsity(self) -> float:
         """Expected model-level sparsity: the fraction of the sites' weights not read."""
-        return sum(a.sparsity * self.weights[n] for n, a in self.sites.items()) / sum(self.weights.values())
+        return self.sparsity_at(self.sites)
+
+    def sparsity_at(self, names: Collection[str]) -> float:
+        """The fraction of the sites' weights not read when only the sites `names` skip."""
+        return sum(a.sparsity * self.weights[n] for n, a in self.sites.items() if n in names) / sum(self.weights.values())
 
     @property
     def thresholds(self) -> dict[str, torch.Tensor]:

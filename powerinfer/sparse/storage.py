@@ -54,6 +54,11 @@ def is_sparsified(gguf: GGUFFile) -> bool:
     return gguf.get(TARGET_KEY) is not None
 
 
+def sparse_sites(gguf: GGUFFile) -> set[str]:
+    """The names of the sites that hold thresholds in a `sparsify` output (the ones that skip)."""
+    return {n.removesuffix(THRESHOLDS_SUFFIX) for n in gguf.tensors if n.endswith(THRESHOLDS_SUFFIX)}
+
+
 def sparse_site(gguf: GGUFFile, weight_names: Sequence[str], sparsity: bool) -> torch.Tensor | None:
     """The thresholds of the site the linear of `weight_names` reads, or None where it runs dense (not
     a sparsified file, a site without thresholds, or `sparsity` off)."""
