@@ -135,11 +135,17 @@ def ensure_llama_cpp(isa: str | None = None) -> str:
         print(f"installing {LLAMA_CPP_PYTHON} for {isa} into {target} (compiles llama.cpp: several minutes) ...", file=sys.stderr)
         env = {**os.environ, "CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS[isa]}
         # its other requirements (numpy, jinja2, typing-extensions) are powerinfer's too: not copied
-        # into the folder, where they would shadow the environment's own
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-binary", "llama-cpp-python", "--no-deps",
-                        "--target", str(target), LLAMA_CPP_PYTHON, "diskcache>=5.6.1"], check=True, env=env)
+        # into the folder, where they would shadow the environment's own; no wheel cache: pip keys a
+        # built wheel by its source, not by CMAKE_ARGS, and gave the AVX-512 build for AVX2
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--no-binary",
+                        "llama-cpp-python", "--no-deps", "--target", str(target), LLAMA_CPP_PYTHON, "diskcache>=5.6.1"],
+                       check=True, env=env)
     if str(target) not in sys.path:
         sys.path.insert(0, str(target))
+    import llama_cpp
+
+    if llama_cpp_isa(llama_cpp) != isa:
+        sys.exit(f"{target} holds llama.cpp built for {llama_cpp_isa(llama_cpp)}, not {isa}: remove it to rebuild")
     return isa
 
 
