@@ -69,6 +69,23 @@ inline void group_runs(const RunLayout& l, const uint8_t* block, const Selection
   for (int p = 0; p < G; ++p) w[p] = block + l.run_at(s.channel[j + p < j1 ? j + p : j]) + at;
 }
 
+// What a piece kernel reads of block i of the selection for outputs [c0, c0 + chunk): the block's
+// bytes, its active channels [j0, j1), the R rows' scales and k sums, and how many outputs it covers.
+struct BlockPiece {
+  const uint8_t* block;
+  int32_t j0, j1;
+  const float* scale;
+  const int32_t* k_sum;
+  int64_t n;
+};
+
+template <int R>
+inline BlockPiece piece_of(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0,
+                           int64_t chunk) {
+  return {runs + s.blocks[i] * l.block_bytes(), s.start[i], s.start[i + 1], &s.scale[i * R], &s.k_sum[i * R],
+          std::min(chunk, l.padded - c0)};
+}
+
 // Row r's k of channel c, 0 past j1.
 inline int8_t k_of(const Selection& s, int32_t c, int32_t j1, int r) { return c < j1 ? s.k[c * s.rows + r] : 0; }
 
@@ -143,12 +160,8 @@ inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, int64_t o, 
 template <int R>
 void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   float* y, int16_t* acc) {
-  const uint8_t* block = runs + s.blocks[i] * l.block_bytes();
+  const auto [block, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const int32_t j0 = s.start[i], j1 = s.start[i + 1];
-  const float* scale = &s.scale[i * R];
-  const int32_t* k_sum = &s.k_sum[i * R];
-  const int64_t n = std::min(chunk, l.padded - c0);
   for (int r = 0; r < R; ++r) {
     const __m256i init = _mm256_set1_epi16(static_cast<int16_t>(-8 * k_sum[r]));  // wraps: the sums fit int16
     for (int64_t o = 0; o < n; o += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(acc + r * chunk + o), init);
@@ -200,10 +213,7 @@ template <int R>
 void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   float* y, int32_t* acc) {
   constexpr int P = Q8_GROUP / 2;
-  const uint8_t* block = runs + s.blocks[i] * l.block_bytes();
-  const int32_t j0 = s.start[i], j1 = s.start[i + 1];
-  const float* scale = &s.scale[i * R];
-  const int64_t n = std::min(chunk, l.padded - c0);
+  const auto [block, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   std::fill(acc, acc + R * chunk, 0);
   for (int32_t j = j0; j < j1; j += Q8_GROUP) {
     fetch_stream_starts<Q8_GROUP>(l, block, s, j, j1, c0, std::min(n, STREAM_START));
@@ -353,12 +363,8 @@ template <int R>
 void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   float* y, int16_t* acc) {
   using namespace avx2;
-  const uint8_t* block = runs + s.blocks[i] * l.block_bytes();
+  const auto [block, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   const __m512i low = _mm512_set1_epi8(0x0F);
-  const int32_t j0 = s.start[i], j1 = s.start[i + 1];
-  const float* scale = &s.scale[i * R];
-  const int32_t* k_sum = &s.k_sum[i * R];
-  const int64_t n = std::min(chunk, l.padded - c0);
   for (int r = 0; r < R; ++r) {
     const __m512i init = _mm512_set1_epi16(static_cast<int16_t>(-8 * k_sum[r]));  // wraps: the sums fit int16
     for (int64_t o = 0; o < n; o += 32) _mm512_store_si512(acc + r * chunk + o, init);
@@ -407,10 +413,7 @@ void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
                   float* y, int32_t* acc) {
   using namespace avx2;
   constexpr int P = Q8_GROUP / 2;
-  const uint8_t* block = runs + s.blocks[i] * l.block_bytes();
-  const int32_t j0 = s.start[i], j1 = s.start[i + 1];
-  const float* scale = &s.scale[i * R];
-  const int64_t n = std::min(chunk, l.padded - c0);
+  const auto [block, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   std::fill(acc, acc + R * chunk, 0);
   for (int32_t j = j0; j < j1; j += Q8_GROUP) {
     fetch_stream_starts<Q8_GROUP>(l, block, s, j, j1, c0, std::min(n, STREAM_START));
