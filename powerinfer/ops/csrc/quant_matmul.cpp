@@ -27,16 +27,12 @@ void pack_chunk(const BlockFormat& f, const PackedLayout& l, const uint8_t* cons
     }
     for (int64_t k = 0; k < f.n; ++k) {
       const int q = b.q[k];
-      if (l.low_bits == 8) {
-        chunk[l.low + (k / 2) * 2 * COLS + 2 * o + k % 2] = static_cast<uint8_t>(q ^ 0x80);  // back to int8
-      } else {
-        const int64_t per_byte = 8 / l.low_bits;
-        chunk[l.low + (k / per_byte) * COLS + o] |= (q & ((1 << l.low_bits) - 1)) << (l.low_bits * (k % per_byte));
-      }
-      for (int h = 0; h < l.high_bits; ++h) {
-        uint8_t* mask = chunk + l.high + ((k / 2) * l.high_bits + h) * 4;
-        const int bit = 2 * o + static_cast<int>(k % 2);
-        mask[bit / 8] |= ((q >> (l.low_bits + h)) & 1) << (bit % 8);
+      const BitPlace low = low_place(l, o, k);
+      if (l.low_bits == 8) chunk[low.byte] = static_cast<uint8_t>(q ^ 0x80);  // back to int8
+      else chunk[low.byte] |= (q & ((1 << l.low_bits) - 1)) << low.shift;
+      if (l.high_bits > 0) {
+        const BitPlace high = high_place(l, o, k);
+        chunk[high.byte] |= (q >> l.low_bits) << high.shift;
       }
     }
   }
@@ -110,30 +106,17 @@ namespace {
 
 // q - offset of every weight of a chunk, per output: w[o][k] (the plane layouts of quant_matmul.h).
 void unpack_chunk(const BlockFormat& f, const PackedLayout& l, const uint8_t* chunk, float (*w)[QK_K]) {
-  const uint8_t* low = chunk + l.low;
-  for (int64_t p = 0; p < f.n / 2; ++p)
-    for (int o = 0; o < COLS; ++o)
-      if (l.low_bits == 8) {
-        w[o][2 * p] = static_cast<int8_t>(low[p * 2 * COLS + 2 * o]);
-        w[o][2 * p + 1] = static_cast<int8_t>(low[p * 2 * COLS + 2 * o + 1]);
-      } else if (l.low_bits == 4) {
-        w[o][2 * p] = low[p * COLS + o] & 0x0F;
-        w[o][2 * p + 1] = low[p * COLS + o] >> 4;
-      } else {
-        const int shift = 4 * static_cast<int>(p % 2);
-        w[o][2 * p] = (low[(p / 2) * COLS + o] >> shift) & 3;
-        w[o][2 * p + 1] = (low[(p / 2) * COLS + o] >> (shift + 2)) & 3;
-      }
-  for (int64_t p = 0; p < f.n / 2 && l.high_bits > 0; ++p)
-    for (int h = 0; h < l.high_bits; ++h) {
-      uint32_t mask;
-      std::memcpy(&mask, chunk + l.high + (p * l.high_bits + h) * 4, 4);
-      for (int bit = 0; bit < 2 * COLS; ++bit)
-        if ((mask >> bit) & 1) w[bit / 2][2 * p + bit % 2] += static_cast<float>(1 << (l.low_bits + h));
-    }
   const float offset = l.low_bits == 8 ? 0.0f : static_cast<float>(f.offset);
   for (int o = 0; o < COLS; ++o)
-    for (int64_t k = 0; k < f.n; ++k) w[o][k] -= offset;
+    for (int64_t k = 0; k < f.n; ++k) {
+      const BitPlace low = low_place(l, o, k);
+      int q = l.low_bits == 8 ? static_cast<int8_t>(chunk[low.byte]) : (chunk[low.byte] >> low.shift) & ((1 << l.low_bits) - 1);
+      if (l.high_bits > 0) {
+        const BitPlace high = high_place(l, o, k);
+        q += ((chunk[high.byte] >> high.shift) & ((1 << l.high_bits) - 1)) << l.low_bits;
+      }
+      w[o][k] = static_cast<float>(q) - offset;
+    }
 }
 
 }  // namespace

@@ -21,11 +21,20 @@
 //   dmin   float16 [16]            formats with a minimum (signed as applied)
 //   sc     int8 [n_sub][16]        K-quants: sub-block scales (Q2_K: scale | minimum << 4)
 //   mn     uint8 [n_sub][16]       Q4_K, Q5_K: sub-block minimums
-//   low    4-bit q: [n / 2][16] bytes, per input pair (2p, 2p+1): low nibble input 2p
-//          2-bit q: [n / 4][16] bytes, per input quad 4p..4p+3: bits 2i, 2i+1 input 4p + i
+//   low    4-bit and 2-bit q, in steps of 4 inputs: step s holds inputs 4s + 2t + i of pairs t = 0, 1,
+//          output o's pair t at byte 2 slot(o) + t of 32 bytes (slot(o): o with bits 2 and 3 swapped);
+//          4-bit: 32 bytes per step, input i of the pair in nibble i; 2-bit: steps 2u, 2u + 1 share 32
+//          bytes, input i of the pair at bits 4 (s % 2) + 2i
 //          8-bit (Q8_0): [n / 2][16][2] int8, inputs 2p, 2p+1
-//   high   per input pair, one uint32 per high bit of q (Q5: bit 4; Q6_K: bits 4, 5; Q3_K: bit 2):
-//          bit 2o + i is that bit of input 2p + i of output o
+//   high   the high bits of q (Q5: bit 4; Q3_K: bit 2; Q6_K: bits 4, 5) in groups of 8 / high_bits
+//          steps, per group two planes of 32 bytes, one per pair t: byte 2 slot(o) + i of plane t
+//          holds the high bits of input 4s + 2t + i of output o for every step s of the group, step
+//          u of the group at bits high_bits u
+// (low_place, high_place.) Why: AVX2 splits a step's 32 bytes with in-lane byte interleaves into
+// outputs 0-7 and 8-15 with each output's 4 inputs adjacent, so that one vpmaddubsw + vpmaddwd sums
+// them per output and x needs no shuffle, and interleaves the two planes with 16-bit unpacks to
+// match; AVX-512 reads a pair's 16 outputs as one vector of 32-bit lanes in slot order (and permutes
+// its per-output scales and results to match).
 // That is the file's size per weight within a few percent (Q4_K 148 bytes per 256 weights against
 // 144, Q6_K and the 32-weight formats exactly).
 // Plain-torch reference: dequantization (gguf.quants) times x in bfloat16 (tests/test_quant_kernels.py).
@@ -60,6 +69,37 @@ constexpr PackedLayout packed_layout(const BlockFormat& f) {
   if (l.high_bits > 0) l.high = at, at += f.n / 2 * l.high_bits * 4;
   l.bytes = at;
   return l;
+}
+
+constexpr int64_t STEP = 4;  // inputs per step of the 2- and 4-bit layouts: two pairs
+
+// Output o's slot in a step's bytes: o with bits 2 and 3 swapped (an involution).
+constexpr int slot_of(int o) { return (o & 3) | (o & 4) << 1 | (o & 8) >> 1; }
+
+// Where a bit field of weight (output o, input k) lies in a chunk.
+struct BitPlace {
+  int64_t byte;
+  int shift;
+};
+
+// The low bits of q (8-bit: the whole int8, shift 0).
+constexpr BitPlace low_place(const PackedLayout& l, int o, int64_t k) {
+  const int64_t s = k / STEP, t = k % STEP / 2, i = k % 2;
+  if (l.low_bits == 8) return {l.low + k / 2 * 2 * COLS + 2 * o + i, 0};
+  if (l.low_bits == 4) return {l.low + s * 2 * COLS + 2 * slot_of(o) + t, static_cast<int>(4 * i)};
+  return {l.low + s / 2 * 2 * COLS + 2 * slot_of(o) + t, static_cast<int>(4 * (s % 2) + 2 * i)};
+}
+
+constexpr int64_t high_group_steps(const PackedLayout& l) { return 8 / l.high_bits; }
+
+// Plane t of step s's group, and where step s's field lies in its bytes.
+constexpr int64_t high_plane(const PackedLayout& l, int64_t s, int64_t t) { return l.high + s / high_group_steps(l) * 4 * COLS + t * 2 * COLS; }
+constexpr int high_field_bit(const PackedLayout& l, int64_t s) { return static_cast<int>(l.high_bits * (s % high_group_steps(l))); }
+
+// The high bits of q (formats with high_bits > 0).
+constexpr BitPlace high_place(const PackedLayout& l, int o, int64_t k) {
+  const int64_t s = k / STEP;
+  return {high_plane(l, s, k % STEP / 2) + 2 * slot_of(o) + k % 2, high_field_bit(l, s)};
 }
 
 // One weight matrix in the packed layout, its rows written to out[:, column:column + rows].

@@ -2,12 +2,12 @@
 // (prepare_input); the weights' unsigned q stay bytes, and `vpmaddubsw` multiplies 32 weight-input
 // pairs and adds them in pairs per instruction. The int16 sums are widened to int32 before they can
 // overflow, and each sub-block's int32 sums meet their float scales once: the result is exactly the
-// product of the rounded x and the weights, offsets and minimums included (as llama.cpp computes it). Q8_0 (signed weights) multiplies int16 pairs with `vpmaddwd` instead.
+// product of the rounded x and the weights, offsets and minimums included (as llama.cpp computes it).
+// Q8_0 (signed weights) multiplies int16 pairs with `vpmaddwd` instead.
 //
 // What a step reads: 4 consecutive inputs 4s .. 4s + 3 of a chunk's 16 outputs. Its weights become
-// two vectors (outputs 0-7, 8-15) whose 16-bit lane o holds q of inputs 4s, 4s + 1 of that output in
-// the low 128 bits and of inputs 4s + 2, 4s + 3 in the high; x's bytes are spread to match. The two
-// halves of a vector add up to an output's sum when the sums are widened.
+// two vectors (outputs 0-7, 8-15) whose 32-bit lane o holds q of that output's 4 inputs; x's 4 bytes
+// repeat in every lane, and `vpmaddwd` by ones adds an output's two int16 sums when they are widened.
 #include "quant_matmul.h"
 
 #ifdef POWERINFER_X86
@@ -32,8 +32,10 @@ inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_
 // Pairs of weights per int16 lane a sum can hold: |q x| <= q_max * 127 per weight.
 constexpr int int16_steps(int q_bits) { return 32767 / (2 * ((1 << q_bits) - 1) * 127); }
 
-// Bytes of low bits -> (A, B): outputs 0-7 and 8-15, each 16-bit lane one output's two inputs.
-// `v` holds, per 128-bit lane, 16 bytes whose bits [0, BITS) and [BITS, 2 BITS) are the two inputs.
+// A step's 32 bytes of low bits -> its weights (a, b): outputs 0-7 and 8-15, byte 4o + 2t + i of
+// output o's pair t, input i (the slot order of quant_matmul.h puts outputs 0-3 | 8-11 | 4-7 | 12-15 in
+// the 8-byte quarters, which the in-lane byte interleaves turn into that order). Input i of a pair is
+// at bits [i BITS, (i + 1) BITS) of its byte.
 template <int BITS>
 inline void split_pairs(__m256i v, __m256i& a, __m256i& b) {
   const __m256i mask = _mm256_set1_epi8((1 << BITS) - 1);
@@ -42,60 +44,50 @@ inline void split_pairs(__m256i v, __m256i& a, __m256i& b) {
   b = _mm256_unpackhi_epi8(first, second);
 }
 
-// Adds `value` to the bytes of (a, b) whose bit is set in two masks of input pairs 2s, 2s + 1 (bit
-// 2o + i of a pair's mask: input i of output o), which `masks` holds in both 128-bit lanes: pair 2s's
-// at byte `first`, pair 2s + 1's at byte `second`. Each mask byte is spread over 8 byte lanes.
-template <int FIRST, int SECOND>
-inline void add_high_bit(__m256i masks, int value, __m256i& a, __m256i& b) {
-  constexpr int64_t spread = 0x0101010101010101;
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
-  const __m256i add = _mm256_set1_epi8(static_cast<char>(value));
-  // A: outputs 0-7, mask bytes 0, 1 of each pair; B: outputs 8-15, bytes 2, 3
-  const __m256i spread_a = _mm256_setr_epi64x(FIRST * spread, (FIRST + 1) * spread, SECOND * spread, (SECOND + 1) * spread);
-  const __m256i spread_b = _mm256_add_epi8(spread_a, _mm256_set1_epi8(2));
-  const __m256i set_a = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(masks, spread_a), bit), bit);
-  const __m256i set_b = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(masks, spread_b), bit), bit);
-  a = _mm256_or_si256(a, _mm256_and_si256(set_a, add));
-  b = _mm256_or_si256(b, _mm256_and_si256(set_b, add));
+// The high-bit planes of the group holding step s0 (a sub-block's first), as the halves that
+// split_pairs gives: interleaving plane 0's and 1's 16-bit lanes puts each byte where the low bits of
+// its input lie. Shifted so that step s0's field starts at bit 0 (only Q3_K's odd sub-blocks start
+// inside a group; the bits the shift brings down from a neighbouring byte lie above every field read).
+template <int64_t TYPE>
+inline void sub_block_high(const uint8_t* chunk, int64_t s0, __m256i& a, __m256i& b) {
+  constexpr PackedLayout L = packed_layout(*find_format(TYPE));
+  const __m256i plane0 = load32(chunk + high_plane(L, s0, 0)), plane1 = load32(chunk + high_plane(L, s0, 1));
+  a = _mm256_unpacklo_epi16(plane0, plane1);
+  b = _mm256_unpackhi_epi16(plane0, plane1);
+  if (const int phase = high_field_bit(L, s0)) a = _mm256_srli_epi16(a, phase), b = _mm256_srli_epi16(b, phase);
 }
 
-// Step s's weights of a chunk (the unsigned q, offset not taken away).
+// Step s's weights of a chunk (the unsigned q, offset not taken away), as split_pairs gives them.
+// With high bits: U is s's place in its sub-block, (high_a, high_b) the sub-block's sub_block_high.
 template <int64_t TYPE>
-inline void step_weights(const uint8_t* chunk, int64_t s, __m256i& a, __m256i& b) {
+inline void step_weights(const uint8_t* chunk, int64_t s, int U, __m256i high_a, __m256i high_b, __m256i& a, __m256i& b) {
   constexpr PackedLayout L = packed_layout(*find_format(TYPE));
   if constexpr (L.low_bits == 4) {
-    split_pairs<4>(load32(chunk + L.low + s * 2 * COLS), a, b);  // pairs 2s, 2s + 1: 16 bytes each
-  } else {
-    // one byte per output holds the 4 inputs: the high lane takes them shifted down by 4 bits
-    const __m128i quad = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + L.low + s * COLS));
-    split_pairs<2>(_mm256_set_m128i(_mm_srli_epi16(quad, 4), quad), a, b);
+    split_pairs<4>(load32(chunk + L.low + s * 2 * COLS), a, b);
+  } else {  // steps 2u and 2u + 1 share 32 bytes, the odd one in the high nibbles
+    const __m256i both = load32(chunk + L.low + s / 2 * 2 * COLS);
+    split_pairs<2>(s % 2 ? _mm256_srli_epi16(both, 4) : both, a, b);
   }
-  // pair p's masks: at L.high + (p * high_bits + h) * 4, so pairs 2s and 2s + 1 are adjacent
-  const uint8_t* masks = chunk + L.high + 2 * s * L.high_bits * 4;
-  if constexpr (L.high_bits == 1) {
-    int64_t eight;
-    std::memcpy(&eight, masks, 8);
-    add_high_bit<0, 4>(_mm256_set1_epi64x(eight), 1 << L.low_bits, a, b);
-  } else if constexpr (L.high_bits == 2) {  // bit h of pair 2s at byte 4h, of pair 2s + 1 at 8 + 4h
-    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(masks)));
-    add_high_bit<0, 8>(both, 1 << L.low_bits, a, b);
-    add_high_bit<4, 12>(both, 2 << L.low_bits, a, b);
+  if constexpr (L.high_bits > 0) {  // step U's field moved to bit low_bits (U is a constant once the step loops unroll)
+    const int shift = L.low_bits - high_field_bit(L, U);
+    const __m256i mask = _mm256_set1_epi8(static_cast<char>(((1 << L.high_bits) - 1) << L.low_bits));
+    const auto place = [&](__m256i h) {
+      return _mm256_and_si256(shift >= 0 ? _mm256_slli_epi16(h, shift) : _mm256_srli_epi16(h, -shift), mask);
+    };
+    a = _mm256_or_si256(a, place(high_a));
+    b = _mm256_or_si256(b, place(high_b));
   }
 }
 
-// x's int8 inputs 4s .. 4s + 3 as step_weights arranges the weights: (x0, x1) repeated over the low
-// 128 bits, (x2, x3) over the high.
+// x's int8 inputs 4s .. 4s + 3 as step_weights arranges the weights: repeated in every 32-bit lane.
 inline __m256i step_inputs(const int8_t* x) {
   int32_t four;
   std::memcpy(&four, x, 4);
-  const __m256i spread = _mm256_setr_epi64x(0x0100010001000100, 0x0100010001000100, 0x0302030203020302, 0x0302030203020302);
-  return _mm256_shuffle_epi8(_mm256_set1_epi32(four), spread);
+  return _mm256_set1_epi32(four);
 }
 
-// int16 lanes (both 128-bit halves the same 8 outputs) -> their int32 sums per output
-inline __m256i widen(__m256i v) {
-  return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)), _mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
-}
+// int16 sums of an output's pairs (adjacent lanes) -> the output's int32 sum
+inline __m256i widen(__m256i v) { return _mm256_madd_epi16(v, _mm256_set1_epi16(1)); }
 
 template <bool SIGNED, int NIBBLE = -1>
 inline __m256 byte_vector(const uint8_t* p) {
@@ -130,7 +122,7 @@ template <int64_t TYPE, int ROWS>
 void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, float* out, int64_t ldc, int cols) {
   constexpr BlockFormat F = *find_format(TYPE);
   constexpr PackedLayout L = packed_layout(F);
-  constexpr int64_t STEPS = F.sub / 4;  // steps per sub-block
+  constexpr int64_t STEPS = F.sub / STEP;  // steps per sub-block
   constexpr int64_t FLUSH = int16_steps(F.q_bits) < STEPS ? int16_steps(F.q_bits) : STEPS;
   static_assert(STEPS % FLUSH == 0, "a sub-block is a whole number of int16 runs");
   const int64_t K = x.K, n_blocks = K / F.n, n_sub = F.n_sub(), per_sub = K / F.sub;
@@ -144,13 +136,15 @@ void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, flo
     if (m0 < TASK_ROWS) prefetch(chunk + PREFETCH_CHUNKS * L.bytes, L.bytes);  // later row blocks find the weights in cache
     for (int64_t j = 0; j < n_sub; ++j) {
       const int64_t k = b * F.n + j * F.sub, s = b * n_sub + j;
+      __m256i high_a = _mm256_setzero_si256(), high_b = high_a;
+      if constexpr (L.high_bits > 0) sub_block_high<TYPE>(chunk, j * STEPS, high_a, high_b);
       __m256i dot[ROWS][2];
       for (int64_t run = 0; run < STEPS; run += FLUSH) {
         __m256i part[ROWS][2];
         for (int r = 0; r < ROWS; ++r) part[r][0] = part[r][1] = _mm256_setzero_si256();
         for (int64_t step = run; step < run + FLUSH; ++step) {
           __m256i a, bb;
-          step_weights<TYPE>(chunk, j * STEPS + step, a, bb);
+          step_weights<TYPE>(chunk, j * STEPS + step, static_cast<int>(step), high_a, high_b, a, bb);
           for (int r = 0; r < ROWS; ++r) {
             const __m256i xs = step_inputs(xq + r * K + k + 4 * step);
             part[r][0] = _mm256_add_epi16(part[r][0], _mm256_maddubs_epi16(a, xs));

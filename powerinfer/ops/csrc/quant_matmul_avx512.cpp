@@ -13,48 +13,97 @@ namespace {
 // (measured from memory, one thread: Q5_K 6.5 -> 13.9 GB/s, Q6_K 6.0 -> 12.5 with this; 16 in cache).
 constexpr int64_t PREFETCH_CHUNKS = 2;  // how far ahead
 
-// Bfloat16 weights of input pair p of a chunk, 16 outputs x 2 inputs: 32-bit lane o holds output
-// o's weights of inputs 2p (low half) and 2p + 1, as 128 + q (Q8_0: q itself).
 template <int64_t TYPE>
-inline __m512i pair_weights(const uint8_t* chunk, int64_t p) {
+constexpr int64_t SUB_STEPS = find_format(TYPE)->sub / STEP;  // steps of a sub-block
+
+// Formats in the step layout hold their outputs in slot order (quant_matmul.h); Q8_0 in output order.
+template <int64_t TYPE>
+constexpr bool SLOTS = packed_layout(*find_format(TYPE)).low_bits != 8;
+
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// High-bit plane t of the group holding step s0 (a sub-block's first), byte 2 slot + i in 16-bit lane
+// 2 slot + i (pair_weights' lanes), shifted so that step s0's field starts at bit 0 (only Q3_K's odd
+// sub-blocks start inside a group).
+template <int64_t TYPE>
+inline __m512i high_lanes(const uint8_t* chunk, int64_t s0, int t) {
+  constexpr PackedLayout L = packed_layout(*find_format(TYPE));
+  if constexpr (L.high_bits == 0) {
+    return _mm512_setzero_si512();
+  } else {
+    const __m512i lanes = _mm512_cvtepu8_epi16(load32(chunk + high_plane(L, s0, t)));
+    const int phase = high_field_bit(L, s0);
+    return phase ? _mm512_srli_epi16(lanes, phase) : lanes;
+  }
+}
+
+// Bfloat16 weights of pair T of step s of a chunk, 16 outputs x 2 inputs: 32-bit lane m holds the
+// weights of inputs 4s + 2T (low half) and 4s + 2T + 1 of the output in slot m, as 128 + q (Q8_0: of
+// output m, as q itself). U: step s's place in its sub-block, `high`: the sub-block's high_lanes of
+// plane T.
+template <int64_t TYPE, int U, int T>
+inline __m512i pair_weights(const uint8_t* chunk, int64_t s, __m512i high) {
   constexpr PackedLayout L = packed_layout(*find_format(TYPE));
   if constexpr (L.low_bits == 8) {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + L.low + p * 2 * COLS));
+    const __m256i bytes = load32(chunk + L.low + (2 * s + T) * 2 * COLS);
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
     return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // exact: |q| <= 128
   } else {
+    // the step's bytes (2 bits: two steps') widened: 32-bit lane m holds slot m's bytes of pairs 0 and 1
+    const __m512i both = _mm512_cvtepu8_epi16(load32(chunk + L.low + (L.low_bits == 4 ? s : s / 2) * 2 * COLS));
+    __m512i own = T == 0 ? _mm512_and_si512(both, _mm512_set1_epi32(0xFF)) : _mm512_srli_epi32(both, 16);
     __m512i q;
-    if constexpr (L.low_bits == 4) {  // byte (low nibble, high nibble) -> 16-bit lanes (input 2p, 2p + 1)
-      const __m512i t = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + L.low + p * COLS)));
-      q = _mm512_ternarylogic_epi32(t, _mm512_slli_epi32(t, 12), _mm512_set1_epi32(0x000F000F), 0xA8);  // (a | b) & c
-    } else {  // 2 bits: the byte of quad p / 2 holds inputs 4(p/2) .. +3; this pair is its half p % 2
-      const __m512i t = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + L.low + (p / 2) * COLS)));
-      __m512i u = _mm512_or_si512(t, _mm512_slli_epi32(t, 14));
-      if (p % 2) u = _mm512_srli_epi32(u, 4);
-      q = _mm512_and_si512(u, _mm512_set1_epi32(0x00030003));
+    if constexpr (L.low_bits == 4) {  // nibbles -> 16-bit halves
+      q = _mm512_ternarylogic_epi32(own, _mm512_slli_epi32(own, 12), _mm512_set1_epi32(0x000F000F), 0xA8);  // (a | b) & c
+    } else {  // an odd step in the high nibble; its 2-bit fields -> 16-bit halves
+      if constexpr (U % 2) own = _mm512_srli_epi32(own, 4);
+      q = _mm512_ternarylogic_epi32(own, _mm512_slli_epi32(own, 14), _mm512_set1_epi32(0x00030003), 0xA8);
     }
-    for (int h = 0; h < L.high_bits; ++h) {
-      uint32_t mask;
-      std::memcpy(&mask, chunk + L.high + (p * L.high_bits + h) * 4, 4);
-      q = _mm512_mask_add_epi16(q, static_cast<__mmask32>(mask), q, _mm512_set1_epi16(static_cast<int16_t>(1 << (L.low_bits + h))));
+    if constexpr (L.high_bits > 0) {  // the plane shifted so that step s's field lands at low_bits
+      constexpr int shift = L.low_bits - high_field_bit(L, U);
+      const __m512i fields = shift >= 0 ? _mm512_slli_epi16(high, shift) : _mm512_srli_epi16(high, -shift);
+      const __m512i mask = _mm512_set1_epi16(static_cast<int16_t>(((1 << L.high_bits) - 1) << L.low_bits));
+      q = _mm512_ternarylogic_epi32(q, fields, mask, 0xF8);  // a | (b & c)
     }
     return _mm512_or_si512(q, _mm512_set1_epi16(0x4300));  // bfloat16 bits of 128 + q
   }
 }
 
-// The float32 vector of 16 bytes of a chunk: int8 (sub-block scales) or, with NIBBLE >= 0, one
-// nibble of them (Q2_K: 0 scale, 1 minimum).
+// dot[r] += the products of steps s0 + K .. s0 + SUB_STEPS - 1 (one sub-block, whose high_lanes are
+// `high`) with row r's inputs; `rows` points at step s0's first pair.
+template <int64_t TYPE, int ROWS, int K = 0>
+inline void multiply_sub_block(const uint8_t* chunk, int64_t s0, const __m512i (&high)[2], const uint32_t* rows, int64_t G,
+                               __m512 (&dot)[ROWS]) {
+  if constexpr (K < SUB_STEPS<TYPE>) {
+    const __m512bh w0 = reinterpret_cast<__m512bh>(pair_weights<TYPE, K, 0>(chunk, s0 + K, high[0]));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(pair_weights<TYPE, K, 1>(chunk, s0 + K, high[1]));
+    for (int r = 0; r < ROWS; ++r) {
+      dot[r] = _mm512_dpbf16_ps(dot[r], w0, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(rows[2 * K * G + r]))));
+      dot[r] = _mm512_dpbf16_ps(dot[r], w1, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(rows[(2 * K + 1) * G + r]))));
+    }
+    multiply_sub_block<TYPE, ROWS, K + 1>(chunk, s0, high, rows, G, dot);
+  }
+}
 
-template <bool SIGNED, int NIBBLE = -1>
+// The float32 vector of 16 bytes of a chunk, one per output (in slot order with SLOTS): int8
+// (sub-block scales) or, with NIBBLE >= 0, one nibble of them (Q2_K: 0 scale, 1 minimum).
+template <bool SLOTS, bool SIGNED, int NIBBLE = -1>
 inline __m512 byte_vector(const uint8_t* p) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (SLOTS) bytes = _mm_shuffle_epi32(bytes, 0xD8);  // quarters 0, 2, 1, 3: outputs 0-3, 8-11, 4-7, 12-15
   __m512i v = SIGNED ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
   if constexpr (NIBBLE >= 0) v = _mm512_and_si512(_mm512_srli_epi32(v, 4 * NIBBLE), _mm512_set1_epi32(0x0F));
   return _mm512_cvtepi32_ps(v);
 }
 
-inline __m512 half_vector(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// 16 float16 values, one per output (in slot order with SLOTS)
+template <bool SLOTS>
+inline __m512 half_vector(const uint8_t* p) {
+  __m256i halves = load32(p);
+  if constexpr (SLOTS) halves = _mm256_permute4x64_epi64(halves, 0xD8);
+  return _mm512_cvtph_ps(halves);
+}
 
 template <int64_t TYPE, int ROWS>
 void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, float* out, int64_t ldc, __mmask16 store) {
@@ -71,26 +120,24 @@ void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, flo
   for (int64_t b = 0; b < n_blocks; ++b) {
     const uint8_t* chunk = chunks + b * L.bytes;
     if (m0 < TASK_ROWS) prefetch(chunk + PREFETCH_CHUNKS * L.bytes, L.bytes);  // later row blocks find the weights in cache
-    const __m512 d = half_vector(chunk + L.d);
-    const __m512 dmin = F.has_min ? half_vector(chunk + L.dmin) : _mm512_setzero_ps();
+    const __m512 d = half_vector<SLOTS<TYPE>>(chunk + L.d);
+    const __m512 dmin = F.has_min ? half_vector<SLOTS<TYPE>>(chunk + L.dmin) : _mm512_setzero_ps();
     for (int64_t j = 0; j < n_sub; ++j) {
       __m512 dot[ROWS];
       for (int r = 0; r < ROWS; ++r) dot[r] = _mm512_setzero_ps();
-      for (int64_t p = j * F.sub / 2; p < (j + 1) * F.sub / 2; ++p) {
-        const __m512bh w = reinterpret_cast<__m512bh>(pair_weights<TYPE>(chunk, p));
-        const uint32_t* rows = pairs + (b * F.n / 2 + p) * G;
-        for (int r = 0; r < ROWS; ++r)
-          dot[r] = _mm512_dpbf16_ps(dot[r], w, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(rows[r]))));
-      }
+      const int64_t s0 = j * SUB_STEPS<TYPE>;
+      const __m512i high[2] = {high_lanes<TYPE>(chunk, s0, 0), high_lanes<TYPE>(chunk, s0, 1)};
+      const uint32_t* rows = pairs + (b * F.n / 2 + 2 * s0) * G;
+      multiply_sub_block<TYPE, ROWS>(chunk, s0, high, rows, G, dot);
       __m512 dsc = d, min = dmin;  // per output: d sc, and dmin mn
       if constexpr (F.sub_scales) {
         const uint8_t* sc = chunk + L.sc + j * COLS;
         if constexpr (L.nibble_scales) {
-          dsc = _mm512_mul_ps(d, byte_vector<false, 0>(sc));
-          min = _mm512_mul_ps(dmin, byte_vector<false, 1>(sc));
+          dsc = _mm512_mul_ps(d, byte_vector<SLOTS<TYPE>, false, 0>(sc));
+          min = _mm512_mul_ps(dmin, byte_vector<SLOTS<TYPE>, false, 1>(sc));
         } else {
-          dsc = _mm512_mul_ps(d, byte_vector<true>(sc));
-          if constexpr (F.has_min) min = _mm512_mul_ps(dmin, byte_vector<false>(chunk + L.mn + j * COLS));
+          dsc = _mm512_mul_ps(d, byte_vector<SLOTS<TYPE>, true>(sc));
+          if constexpr (F.has_min) min = _mm512_mul_ps(dmin, byte_vector<SLOTS<TYPE>, false>(chunk + L.mn + j * COLS));
         }
       }
       // the coefficient of the sub-block's input sum: dmin mn - (128 + offset) d sc
@@ -104,7 +151,8 @@ void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, flo
       }
     }
   }
-  for (int r = 0; r < ROWS; ++r) _mm512_mask_storeu_ps(out + r * ldc, store, acc[r]);
+  for (int r = 0; r < ROWS; ++r)  // slot order -> output order: the same swap of the middle quarters
+    _mm512_mask_storeu_ps(out + r * ldc, store, SLOTS<TYPE> ? _mm512_shuffle_f32x4(acc[r], acc[r], 0xD8) : acc[r]);
 }
 
 template <int64_t TYPE>
