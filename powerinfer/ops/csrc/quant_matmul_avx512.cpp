@@ -71,18 +71,19 @@ inline __m512i pair_weights(const uint8_t* chunk, int64_t s, __m512i high) {
 }
 
 // dot[r] += the products of steps s0 + K .. s0 + SUB_STEPS - 1 (one sub-block, whose high_lanes are
-// `high`) with row r's inputs; `rows` points at step s0's first pair.
+// `high`) with row r's inputs; `rows` points at step s0 + K's first pair.
 template <int64_t TYPE, int ROWS, int K = 0>
 inline void multiply_sub_block(const uint8_t* chunk, int64_t s0, const __m512i (&high)[2], const uint32_t* rows, int64_t G,
                                __m512 (&dot)[ROWS]) {
   if constexpr (K < SUB_STEPS<TYPE>) {
     const __m512bh w0 = reinterpret_cast<__m512bh>(pair_weights<TYPE, K, 0>(chunk, s0 + K, high[0]));
     const __m512bh w1 = reinterpret_cast<__m512bh>(pair_weights<TYPE, K, 1>(chunk, s0 + K, high[1]));
+    const uint32_t* second = rows + G;  // the rows' inputs of pair 1 (one pointer per pair: a table of them spilled)
     for (int r = 0; r < ROWS; ++r) {
-      dot[r] = _mm512_dpbf16_ps(dot[r], w0, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(rows[2 * K * G + r]))));
-      dot[r] = _mm512_dpbf16_ps(dot[r], w1, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(rows[(2 * K + 1) * G + r]))));
+      dot[r] = _mm512_dpbf16_ps(dot[r], w0, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(rows[r]))));
+      dot[r] = _mm512_dpbf16_ps(dot[r], w1, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(second[r]))));
     }
-    multiply_sub_block<TYPE, ROWS, K + 1>(chunk, s0, high, rows, G, dot);
+    multiply_sub_block<TYPE, ROWS, K + 1>(chunk, s0, high, second + G, G, dot);
   }
 }
 
