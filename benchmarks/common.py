@@ -110,6 +110,12 @@ def memory_bandwidth(seconds: float = 1.0) -> float:
     return data.nbytes / statistics.median(times) / 1e9
 
 
+def isa_environment(isa: str) -> dict[str, str]:
+    """The environment that forces our kernels to `isa` in a new process. AVX2 is plain AVX2, as
+    CPUs without AVX-VNNI run it and as llama.cpp's AVX2 build (GGML_AVX_VNNI off) computes."""
+    return {"POWERINFER_ISA": isa, **({"POWERINFER_AVX_VNNI": "0"} if isa == "avx2" else {})}
+
+
 def cpu_isa() -> str:
     """The best of ISAS this CPU runs, read from /proc/cpuinfo (no powerinfer import: llama.cpp's
     benchmark workers stay free of it); as powerinfer's own detection (csrc/isa.cpp) decides."""

@@ -38,6 +38,7 @@ from common import (
     bytes_per_token,
     cpu_isa,
     ensure_llama_cpp,
+    isa_environment,
     llama_cpp_isa,
     machine_description,
     peak_rss,
@@ -57,7 +58,7 @@ class PowerInferWorker:
         from powerinfer.ops import native
 
         self.llm = LLM(model, threads=threads, n_ctx=n_ctx, sparsity=self.sparsity)
-        self.isa = native.load().isa()  # POWERINFER_ISA, set by the controller, lowers the CPU's best
+        self.isa = native.kernels_label()  # POWERINFER_ISA, set by the controller, lowers the CPU's best
 
     def prefill(self, ids: list[int]) -> None:
         self.llm.engine.release(0)
@@ -175,7 +176,7 @@ class Engine:
         self.process = subprocess.Popen(
             [sys.executable, __file__, "--worker", name, "--model", model, "--threads", str(threads), "--n-ctx", str(n_ctx),
              "--isa", isa],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "POWERINFER_ISA": isa})
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **isa_environment(isa)})
         self.isa = self._read()["isa"]
         self.times: dict[str, list[float]] = {"pp": [], "tg": []}
         self.peak_rss = 0

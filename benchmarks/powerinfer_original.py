@@ -59,7 +59,7 @@ from pathlib import Path
 import powerinfer_upstream as upstream
 import torch
 
-from common import ROOT, machine_description
+from common import ROOT, isa_environment, machine_description
 
 RESULTS = ROOT / "benchmarks" / "results" / "powerinfer_original.md"
 DEFAULT_MODEL = Path.home() / ".cache" / "powerinfer" / "bench" / "relu-7bw-8l.q4_0.powerinfer.gguf"
@@ -152,7 +152,7 @@ class Ours:
         self.llm = LLM(model, threads=threads, n_ctx=n_ctx, sparsity="off" if dense else "auto")
         self.load_seconds = time.perf_counter() - started
         self.dense = dense
-        self.isa = native.load().isa() if native.load() is not None else "torch"
+        self.isa = native.kernels_label() if native.load() is not None else "torch"
         self.blocks = self.llm.model.blocks
         self.active: list[list[float]] = []  # per decode step, per layer: the share of neurons computed
 
@@ -282,7 +282,7 @@ def main() -> None:
     if not Path(GNU_TIME).exists():
         sys.exit(f"{GNU_TIME} (GNU time) is needed for PowerInfer's peak RSS: apt-get install time")
     if args.isa:  # before our kernels first run: the switch is read once per process
-        os.environ["POWERINFER_ISA"] = args.isa
+        os.environ.update(isa_environment(args.isa))
     machine = machine_description()  # load average before anything of ours runs
     upstream.build(args.powerinfer, args.isa)
     if not args.model.exists():  # in a process of its own: this one's peak RSS is powerinfer's

@@ -52,7 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="rows of x per call (tokens sharing a step)")
-    parser.add_argument("--isa", nargs="+", choices=[*ISAS, "scalar"],
+    parser.add_argument("--isa", nargs="+", choices=[*ISAS, "avx2+vnni", "scalar"],
                         help="instruction sets to measure (default: every one this CPU has)")
     parser.add_argument("--types", nargs="+", choices=[T(t).name for t in sorted(BLOCK_TYPES)],
                         help="block types to measure (default: every one)")
@@ -61,9 +61,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if native.load() is None:
         raise SystemExit("native operators are unavailable: nothing to benchmark")
-    isas = [isa for isa in native.instruction_sets() if not args.isa or isa in args.isa]
+    isas = [isa for isa in native.kernel_paths() if not args.isa or isa in args.isa]
     if not isas:
-        raise SystemExit(f"this CPU has none of {' '.join(args.isa)} (it has {' '.join(native.instruction_sets())})")
+        raise SystemExit(f"this CPU has none of {' '.join(args.isa)} (it has {' '.join(native.kernel_paths())})")
     machine, bandwidth = machine_description(), memory_bandwidth()
     rng = np.random.default_rng(0)
     types = sorted(BLOCK_TYPES) if not args.types else [T[name].value for name in args.types]
@@ -82,13 +82,13 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, IN_FEATURES)
             for isa in isas:
-                with native.instruction_set(isa):
+                with native.kernel_path(isa):
                     seconds = median_seconds(ours, x)
                 cells.append(f"{file_bytes / seconds / 1e9:.1f}")
             cells.append(f"{file_bytes / median_seconds(fallback, x) / 1e9:.1f}")
         cached = build_linear([GGUFTensor("w", ggml_type, CACHED, random_blocks(ggml_type, *CACHED, rng))])
         for isa in isas:
-            with native.instruction_set(isa):
+            with native.kernel_path(isa):
                 cells.append(f"{cached.nbytes / median_seconds([cached], torch.randn(1, CACHED[1])) / 1e9:.1f}")
         row = f"| {T(ggml_type).name} | {file_bytes / (OUT_FEATURES * IN_FEATURES):.4f} | " + " | ".join(cells) + " |"
         print(row, flush=True)

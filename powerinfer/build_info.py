@@ -30,7 +30,7 @@ def build_lines() -> list[str]:
     if ops is None:
         kernels = "native kernels: unavailable (plain torch)"
     else:
-        kernels = f"native kernels: {ops.isa()} (this CPU supports {', '.join(native.instruction_sets())})"
+        kernels = f"native kernels: {native.kernels_label()} (this CPU supports {', '.join(native.kernel_paths())})"
     if torch.cuda.is_available():
         names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
         cuda = f"CUDA: usable, {torch.cuda.device_count()} device(s): {', '.join(names)} (CUDA {torch.version.cuda})"

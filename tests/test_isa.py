@@ -50,6 +50,20 @@ def test_the_switch_lowers_and_never_raises():
         assert active_isa("avx2") == "avx2"
 
 
+def test_avx_vnni_is_on_where_the_cpu_has_it_unless_the_environment_says_0():
+    def used(setting: str) -> str:
+        code = "from powerinfer.ops import native; print(native.load().avx_vnni())"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={**os.environ, "POWERINFER_AVX_VNNI": setting}).stdout.strip()
+
+    has = native.load().avx_vnni_detected()
+    assert used("1") == str(has)
+    assert used("0") == "False"
+    if not has:
+        with pytest.raises(ValueError, match="AVX-VNNI"):
+            native.load().set_avx_vnni(True)
+
+
 @pytest.fixture(scope="module")
 def scalar_text(default_model) -> str:
     return greedy_text(default_model, "scalar")

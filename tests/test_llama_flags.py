@@ -115,6 +115,6 @@ def test_bench_threads_backend_label_and_sparsity(default_model, tmp_path):
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [(r["n_threads"], r["n_prompt"], r["n_gen"]) for r in records] == [(1, 8, 0), (1, 0, 2), (2, 8, 0), (2, 0, 2)]
     ops = native.load()
-    assert {r["backends"] for r in records} == {"CPU (torch)" if ops is None else f"CPU ({ops.isa()})"}
+    assert {r["backends"] for r in records} == {"CPU (torch)" if ops is None else f"CPU ({native.kernels_label()})"}
     assert {r["sparsity"] for r in records} == {"off"}
     assert all(r["model_type"].endswith(" Q4_K - Medium") for r in records)

@@ -66,6 +66,23 @@ def test_every_type_on_every_instruction_set_equals_dequantized_matmul(ggml_type
         assert torch.all((got.double() - expected_product(isa, x, tensor)).abs() <= bound), isa
 
 
+@pytest.mark.skipif(quant_kernel() is None or not quant_kernel().avx_vnni_detected(), reason="this CPU has no AVX-VNNI")
+@settings(max_examples=20, deadline=None)
+@given(ggml_type=st.sampled_from(TYPES), rows=st.integers(1, 40), tokens=st.integers(1, 11), seed=st.integers(0, 2**16))
+def test_avx_vnni_gives_the_plain_avx2_kernels_results_bit_for_bit(ggml_type, rows, tokens, seed):
+    """Both sum the same integer products exactly (vpdpbusd in int32, vpmaddubsw in int16 runs that cannot
+    overflow), so the AVX2 path is one path whichever the CPU runs."""
+    cols = 2 * GGML_QUANT_SIZES[ggml_type][0] if ggml_type not in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0) else 96
+    layer = pack_quant([quantized_rows(ggml_type, rows, cols, seed)])
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(seed))
+    with native.instruction_set("avx2"):
+        with native.avx_vnni(False):
+            plain = layer(x)
+        with native.avx_vnni(True):
+            vnni = layer(x)
+    assert torch.equal(plain, vnni)
+
+
 @pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K, T.Q3_K])
 def test_each_row_gets_its_single_row_result_exactly(ggml_type, isa):
     """What keeps batched decoding equal to decoding alone: rows do not affect each other."""

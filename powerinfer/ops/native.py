@@ -86,6 +86,26 @@ def instruction_set(name: str) -> Iterator[None]:
         ops.set_isa(previous)
 
 
+@contextmanager
+def avx_vnni(on: bool) -> Iterator[None]:
+    """Inside the block, the AVX2 QuantLinear kernel uses AVX-VNNI (on: the CPU must have it) or not,
+    with the same integer results: how tests and benchmarks run each. POWERINFER_AVX_VNNI=0 turns it
+    off per process."""
+    ops = load()
+    previous = ops.avx_vnni()
+    ops.set_avx_vnni(on)
+    try:
+        yield
+    finally:
+        ops.set_avx_vnni(previous)
+
+
+def kernels_label() -> str:
+    """The active instruction set, with "+vnni" where the AVX2 kernel uses AVX-VNNI (for reports)."""
+    ops = load()
+    return ops.isa() + ("+vnni" if ops.isa() == "avx2" and ops.avx_vnni() else "")
+
+
 # How QuantLinear rounds activations on each instruction set (csrc/quant_matmul.h): AVX2 has no
 # bfloat16 dot product and rounds them to int8 per 32 inputs, as llama.cpp does.
 ACTIVATION_ROUNDING = {"avx512": "bfloat16", "avx2": "int8", "scalar": "bfloat16"}
@@ -95,3 +115,19 @@ def instruction_sets() -> list[str]:
     """The instruction sets this CPU runs the kernels with, best first."""
     order = ["avx512", "avx2", "scalar"]
     return order[order.index(load().detected_isa()) :]
+
+
+def kernel_paths() -> list[str]:
+    """instruction_sets(), with "avx2+vnni" before "avx2" where the CPU has AVX-VNNI (for benchmarks)."""
+    paths = instruction_sets()
+    if load().avx_vnni_detected():
+        paths.insert(paths.index("avx2"), "avx2+vnni")
+    return paths
+
+
+@contextmanager
+def kernel_path(label: str) -> Iterator[None]:
+    """Run one of kernel_paths() inside the block (plain "avx2": without AVX-VNNI, as CPUs that lack it)."""
+    isa, _, extension = label.partition("+")
+    with instruction_set(isa), avx_vnni(extension == "vnni"):
+        yield

@@ -124,9 +124,8 @@ class BenchSetup:
 
 
 def backend_name() -> str:
-    """What ran the kernels: the native instruction set (avx512, avx2, scalar), else plain torch."""
-    ops = native.load()
-    return "CPU (torch)" if ops is None else f"CPU ({ops.isa()})"
+    """What ran the kernels: the native instruction set (avx512, avx2+vnni, avx2, scalar), else plain torch."""
+    return "CPU (torch)" if native.load() is None else f"CPU ({native.kernels_label()})"
 
 
 def _cpu_name() -> str:

@@ -1,6 +1,7 @@
 // Which instruction set the kernels use: detected once from the CPU (and whether the OS saves the
 // wider registers, which the compiler's CPU-feature check includes), lowered by POWERINFER_ISA
-// (avx512, avx2 or scalar; a set the CPU lacks, or an unknown name, leaves the detected one).
+// (avx512, avx2 or scalar; a set the CPU lacks, or an unknown name, leaves the detected one); and
+// whether the AVX2 kernel uses AVX-VNNI (POWERINFER_AVX_VNNI=0: not).
 #include "common.h"
 
 #include <atomic>
@@ -50,6 +51,30 @@ void set_isa(Isa isa) {
   if (isa > detected_isa())
     throw std::invalid_argument(std::string("this CPU does not run ") + isa_name(isa) + " (best: " + isa_name(detected_isa()) + ")");
   current().store(static_cast<int>(isa), std::memory_order_relaxed);
+}
+
+bool avx_vnni_detected() {
+#ifdef POWERINFER_X86
+  static const bool has = detected_isa() >= Isa::AVX2 && __builtin_cpu_supports("avxvnni");
+  return has;
+#else
+  return false;
+#endif
+}
+
+namespace {
+std::atomic<bool>& vnni() {
+  const char* wanted = std::getenv("POWERINFER_AVX_VNNI");
+  static std::atomic<bool> on{avx_vnni_detected() && (wanted == nullptr || std::string(wanted) != "0")};
+  return on;
+}
+}  // namespace
+
+bool avx_vnni_active() { return vnni().load(std::memory_order_relaxed); }
+
+void set_avx_vnni(bool on) {
+  if (on && !avx_vnni_detected()) throw std::invalid_argument("this CPU has no AVX-VNNI");
+  vnni().store(on, std::memory_order_relaxed);
 }
 
 const char* isa_name(Isa isa) {

@@ -89,6 +89,14 @@ inline __m256i step_inputs(const int8_t* x) {
 // int16 sums of an output's pairs (adjacent lanes) -> the output's int32 sum
 inline __m256i widen(__m256i v) { return _mm256_madd_epi16(v, _mm256_set1_epi16(1)); }
 
+// sums + the 4 products of unsigned bytes u8 and signed bytes s8 per int32 lane: AVX-VNNI's vpdpbusd
+// (VEX form). In assembly so that the region stays AVX2 for the compiler, which could otherwise place
+// the instruction in code that runs on CPUs without it; this kernel is chosen only where the CPU has it.
+inline __m256i dot_bytes(__m256i sums, __m256i u8, __m256i s8) {
+  asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(sums) : "x"(u8), "x"(s8));
+  return sums;
+}
+
 template <bool SIGNED, int NIBBLE = -1>
 inline __m256 byte_vector(const uint8_t* p) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
@@ -117,13 +125,14 @@ inline void sub_block_scales(const uint8_t* chunk, int64_t j, int h, __m256& dsc
   }
 }
 
-// Up to ROW_GROUP rows of one output block, formats with unsigned q (all but Q8_0).
-template <int64_t TYPE, int ROWS>
+// Up to ROW_GROUP rows of one output block, formats with unsigned q (all but Q8_0). VNNI: the int32
+// sums come from dot_bytes directly (no int16 runs to widen).
+template <int64_t TYPE, int ROWS, bool VNNI>
 void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, float* out, int64_t ldc, int cols) {
   constexpr BlockFormat F = *find_format(TYPE);
   constexpr PackedLayout L = packed_layout(F);
   constexpr int64_t STEPS = F.sub / STEP;  // steps per sub-block
-  constexpr int64_t FLUSH = int16_steps(F.q_bits) < STEPS ? int16_steps(F.q_bits) : STEPS;
+  constexpr int64_t FLUSH = VNNI || int16_steps(F.q_bits) >= STEPS ? STEPS : int16_steps(F.q_bits);
   static_assert(STEPS % FLUSH == 0, "a sub-block is a whole number of int16 runs");
   const int64_t K = x.K, n_blocks = K / F.n, n_sub = F.n_sub(), per_sub = K / F.sub;
   const int8_t* xq = x.q8.data() + m0 * K;
@@ -147,12 +156,19 @@ void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, flo
           step_weights<TYPE>(chunk, j * STEPS + step, static_cast<int>(step), high_a, high_b, a, bb);
           for (int r = 0; r < ROWS; ++r) {
             const __m256i xs = step_inputs(xq + r * K + k + 4 * step);
-            part[r][0] = _mm256_add_epi16(part[r][0], _mm256_maddubs_epi16(a, xs));
-            part[r][1] = _mm256_add_epi16(part[r][1], _mm256_maddubs_epi16(bb, xs));
+            if constexpr (VNNI) {
+              part[r][0] = dot_bytes(part[r][0], a, xs);
+              part[r][1] = dot_bytes(part[r][1], bb, xs);
+            } else {
+              part[r][0] = _mm256_add_epi16(part[r][0], _mm256_maddubs_epi16(a, xs));
+              part[r][1] = _mm256_add_epi16(part[r][1], _mm256_maddubs_epi16(bb, xs));
+            }
           }
         }
         for (int r = 0; r < ROWS; ++r)
-          for (int h = 0; h < 2; ++h) dot[r][h] = run == 0 ? widen(part[r][h]) : _mm256_add_epi32(dot[r][h], widen(part[r][h]));
+          for (int h = 0; h < 2; ++h)
+            if constexpr (VNNI) dot[r][h] = part[r][h];
+            else dot[r][h] = run == 0 ? widen(part[r][h]) : _mm256_add_epi32(dot[r][h], widen(part[r][h]));
       }
       for (int h = 0; h < 2; ++h) {
         __m256 dsc, min;
@@ -216,20 +232,20 @@ void output_block_q8(const uint8_t* chunks, const PreparedInput& x, int64_t m0, 
   }
 }
 
-template <int64_t TYPE, int ROWS>
+template <int64_t TYPE, int ROWS, bool VNNI>
 void output_block_any(const uint8_t* chunks, const PreparedInput& x, int64_t m0, float* out, int64_t ldc, int cols) {
   if constexpr (TYPE == static_cast<int64_t>(GgmlType::Q8_0)) output_block_q8<ROWS>(chunks, x, m0, out, ldc, cols);
-  else output_block<TYPE, ROWS>(chunks, x, m0, out, ldc, cols);
+  else output_block<TYPE, ROWS, VNNI>(chunks, x, m0, out, ldc, cols);
 }
 
-template <int64_t TYPE>
+template <int64_t TYPE, bool VNNI>
 void output_block_rows(const uint8_t* chunks, const PreparedInput& x, int64_t m0, int rows, float* out, int64_t ldc, int cols) {
   // Rows in groups of ROW_GROUP, 2, 1: every row's arithmetic is the same in each.
   for (int r = 0; r < rows;) {
     const int left = rows - r;
-    if (left >= ROW_GROUP) output_block_any<TYPE, ROW_GROUP>(chunks, x, m0 + r, out + r * ldc, ldc, cols), r += ROW_GROUP;
-    else if (left >= 2) output_block_any<TYPE, 2>(chunks, x, m0 + r, out + r * ldc, ldc, cols), r += 2;
-    else output_block_any<TYPE, 1>(chunks, x, m0 + r, out + r * ldc, ldc, cols), r += 1;
+    if (left >= ROW_GROUP) output_block_any<TYPE, ROW_GROUP, VNNI>(chunks, x, m0 + r, out + r * ldc, ldc, cols), r += ROW_GROUP;
+    else if (left >= 2) output_block_any<TYPE, 2, VNNI>(chunks, x, m0 + r, out + r * ldc, ldc, cols), r += 2;
+    else output_block_any<TYPE, 1, VNNI>(chunks, x, m0 + r, out + r * ldc, ldc, cols), r += 1;
   }
 }
 
@@ -268,9 +284,12 @@ void prepare_rows(const float* x, int64_t m_begin, int64_t m_end, PreparedInput&
 void quant_output_block(const PackedMatrix& w, int64_t nb, const PreparedInput& x, int64_t m0, int rows, float* out,
                         int64_t ldc, int cols) {
   const uint8_t* chunks = w.chunks + nb * (x.K / w.format->n) * w.layout.bytes;
+  const bool vnni = avx_vnni_active();
   switch (w.format->type) {
 #define POWERINFER_CASE(T) \
-  case GgmlType::T: return output_block_rows<static_cast<int64_t>(GgmlType::T)>(chunks, x, m0, rows, out, ldc, cols);
+  case GgmlType::T:                                                                                                  \
+    return vnni ? output_block_rows<static_cast<int64_t>(GgmlType::T), true>(chunks, x, m0, rows, out, ldc, cols)     \
+                : output_block_rows<static_cast<int64_t>(GgmlType::T), false>(chunks, x, m0, rows, out, ldc, cols);
     POWERINFER_CASE(Q4_0) POWERINFER_CASE(Q4_1) POWERINFER_CASE(Q5_0) POWERINFER_CASE(Q5_1) POWERINFER_CASE(Q8_0)
     POWERINFER_CASE(Q2_K) POWERINFER_CASE(Q3_K) POWERINFER_CASE(Q4_K) POWERINFER_CASE(Q5_K) POWERINFER_CASE(Q6_K)
 #undef POWERINFER_CASE
