@@ -17,13 +17,17 @@ from powerinfer.commands import COMMANDS
 MULTI_LETTER_FLAG = re.compile(r"-[A-Za-z][A-Za-z_-]+")
 
 
+# What str.splitlines breaks a line at: a value a user typed may hold any of them (int() takes "0\r").
+LINE_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
+
+
 class OneLineParser(argparse.ArgumentParser):
     """Reports a bad flag as one line on stderr and exits with status 2."""
 
     flags_end_at_first_word = False  # True for `powerinfer` itself: the first word names the command
 
     def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"{self.prog}: error: {message.translate(LINE_BREAKS)} (see --help)\n")
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         self._refuse_split_flags(sys.argv[1:] if args is None else args)
