@@ -163,6 +163,22 @@ def test_rows_read_together_equal_the_masked_product(ggml_type, rows, each_isa):
     check(column_linear([m], thresholds), [m], thresholds, x)
 
 
+@pytest.mark.skipif(native.load() is None or not native.load().avx_vnni_detected(), reason="this CPU has no AVX-VNNI")
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q6_K])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_avx_vnni_gives_the_plain_avx2_q8_runs_results_bit_for_bit(ggml_type, rows):
+    in_features = 256
+    m = matrix(ggml_type, 8200, in_features, seed=rows)
+    x = inputs(rows, in_features, seed=rows + 1)
+    layer = column_linear([m], thresholds_at(x, 0.3, seed=rows + 2))
+    with native.instruction_set("avx2"):
+        with native.avx_vnni(False):
+            plain = layer(x)
+        with native.avx_vnni(True):
+            vnni = layer(x)
+    assert torch.equal(plain, vnni)
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 def test_threshold_zero_equals_the_dense_product(rows, each_isa):
     matrices = fused(seed=12)

@@ -89,14 +89,6 @@ inline __m256i step_inputs(const int8_t* x) {
 // int16 sums of an output's pairs (adjacent lanes) -> the output's int32 sum
 inline __m256i widen(__m256i v) { return _mm256_madd_epi16(v, _mm256_set1_epi16(1)); }
 
-// sums + the 4 products of unsigned bytes u8 and signed bytes s8 per int32 lane: AVX-VNNI's vpdpbusd
-// (VEX form). In assembly so that the region stays AVX2 for the compiler, which could otherwise place
-// the instruction in code that runs on CPUs without it; this kernel is chosen only where the CPU has it.
-inline __m256i dot_bytes(__m256i sums, __m256i u8, __m256i s8) {
-  asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(sums) : "x"(u8), "x"(s8));
-  return sums;
-}
-
 template <bool SIGNED, int NIBBLE = -1>
 inline __m256 byte_vector(const uint8_t* p) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
@@ -126,7 +118,7 @@ inline void sub_block_scales(const uint8_t* chunk, int64_t j, int h, __m256& dsc
 }
 
 // Up to ROW_GROUP rows of one output block, formats with unsigned q (all but Q8_0). VNNI: the int32
-// sums come from dot_bytes directly (no int16 runs to widen).
+// sums come from dot_bytes (avx2_lanes.h) directly (no int16 runs to widen).
 template <int64_t TYPE, int ROWS, bool VNNI>
 void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, float* out, int64_t ldc, int cols) {
   constexpr BlockFormat F = *find_format(TYPE);
@@ -192,8 +184,9 @@ void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, flo
   }
 }
 
-// Q8_0: per input pair, 16 outputs' two int8 weights widened to int16 and multiplied by x's pair.
-template <int ROWS>
+// Q8_0: per input pair, 16 outputs' two int8 weights widened to int16 and multiplied by x's pair
+// (VNNI: vpdpwssd multiplies and adds in one instruction, the same int32 sums).
+template <int ROWS, bool VNNI>
 void output_block_q8(const uint8_t* chunks, const PreparedInput& x, int64_t m0, float* out, int64_t ldc, int cols) {
   constexpr PackedLayout L = packed_layout(*find_format(static_cast<int64_t>(GgmlType::Q8_0)));
   const int64_t K = x.K, n_blocks = K / QK;
@@ -214,8 +207,13 @@ void output_block_q8(const uint8_t* chunks, const PreparedInput& x, int64_t m0, 
         int16_t two;
         std::memcpy(&two, xq + r * K + b * QK + 2 * p, 2);
         const __m256i xs = _mm256_cvtepi8_epi16(_mm_set1_epi16(two));
-        dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(w0, xs));
-        dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(w1, xs));
+        if constexpr (VNNI) {
+          dot[r][0] = dot_words(dot[r][0], w0, xs);
+          dot[r][1] = dot_words(dot[r][1], w1, xs);
+        } else {
+          dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(w0, xs));
+          dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(w1, xs));
+        }
       }
     }
     for (int h = 0; h < 2; ++h) {
@@ -234,7 +232,7 @@ void output_block_q8(const uint8_t* chunks, const PreparedInput& x, int64_t m0, 
 
 template <int64_t TYPE, int ROWS, bool VNNI>
 void output_block_any(const uint8_t* chunks, const PreparedInput& x, int64_t m0, float* out, int64_t ldc, int cols) {
-  if constexpr (TYPE == static_cast<int64_t>(GgmlType::Q8_0)) output_block_q8<ROWS>(chunks, x, m0, out, ldc, cols);
+  if constexpr (TYPE == static_cast<int64_t>(GgmlType::Q8_0)) output_block_q8<ROWS, VNNI>(chunks, x, m0, out, ldc, cols);
   else output_block<TYPE, ROWS, VNNI>(chunks, x, m0, out, ldc, cols);
 }
 

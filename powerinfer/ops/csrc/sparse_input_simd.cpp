@@ -209,7 +209,8 @@ inline void q8_in_order(__m256i a, __m256i b, __m256i& first, __m256i& second) {
 // time stream past the rows' int32 sums; each 16 outputs of a pair of channels, sign-extended to int16
 // and interleaved (channel j, channel j + 1 for the same output), meet a row's [k_j, k_j+1] pairs in
 // one `_mm256_madd_epi16`. acc: per row the chunk's sums, in slot order (see q8_in_order).
-template <int R>
+// VNNI: AVX-VNNI's vpdpwssd does each madd and its add in one instruction (the same int32 sums).
+template <int R, bool VNNI = false>
 void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   float* y, int32_t* acc) {
   constexpr int P = Q8_GROUP / 2;
@@ -230,10 +231,14 @@ void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
       }
       for (int r = 0; r < R; ++r) {
         __m256i sum_lo = _mm256_madd_epi16(lo[0], k[0][r]), sum_hi = _mm256_madd_epi16(hi[0], k[0][r]);
-        for (int h = 1; h < P; ++h) {
-          sum_lo = _mm256_add_epi32(sum_lo, _mm256_madd_epi16(lo[h], k[h][r]));
-          sum_hi = _mm256_add_epi32(sum_hi, _mm256_madd_epi16(hi[h], k[h][r]));
-        }
+        for (int h = 1; h < P; ++h)
+          if constexpr (VNNI) {
+            sum_lo = dot_words(sum_lo, lo[h], k[h][r]);
+            sum_hi = dot_words(sum_hi, hi[h], k[h][r]);
+          } else {
+            sum_lo = _mm256_add_epi32(sum_lo, _mm256_madd_epi16(lo[h], k[h][r]));
+            sum_hi = _mm256_add_epi32(sum_hi, _mm256_madd_epi16(hi[h], k[h][r]));
+          }
         __m256i* a = reinterpret_cast<__m256i*>(acc + r * chunk + g);
         a[0] = _mm256_add_epi32(a[0], sum_lo);
         a[1] = _mm256_add_epi32(a[1], sum_hi);
@@ -337,6 +342,12 @@ void add_q4_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, 
 void add_runs(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
   static_assert(MAX_GROUP_ROWS == 4, "one kernel per group size");
   const bool q8 = l.form == RunForm::Q8;
+  if (q8 && avx_vnni_active()) switch (s.rows) {
+      case 1: return add_q8_blocks<1, add_q8_piece<1, true>>(l, runs, s, i0, i1, y);
+      case 2: return add_q8_blocks<2, add_q8_piece<2, true>>(l, runs, s, i0, i1, y);
+      case 3: return add_q8_blocks<3, add_q8_piece<3, true>>(l, runs, s, i0, i1, y);
+      default: return add_q8_blocks<4, add_q8_piece<4, true>>(l, runs, s, i0, i1, y);
+    }
   switch (s.rows) {
     case 1: return q8 ? add_q8_blocks<1>(l, runs, s, i0, i1, y) : add_q4_blocks<1>(l, runs, s, i0, i1, y);
     case 2: return q8 ? add_q8_blocks<2>(l, runs, s, i0, i1, y) : add_q4_blocks<2>(l, runs, s, i0, i1, y);
