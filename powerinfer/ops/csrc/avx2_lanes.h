@@ -24,12 +24,12 @@ inline float horizontal_sum(__m256 v) {
 // that the region stays AVX2 for the compiler, which could otherwise place the instructions in code
 // that runs on CPUs without them.
 // sums + the 4 products of unsigned bytes u8 and signed bytes s8 per int32 lane (vpdpbusd)
-inline __m256i dot_bytes(__m256i sums, __m256i u8, __m256i s8) {
+inline __m256i dpbusd(__m256i sums, __m256i u8, __m256i s8) {
   asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(sums) : "x"(u8), "x"(s8));
   return sums;
 }
 // sums + the 2 products of int16 a and b per int32 lane (vpdpwssd: _mm256_madd_epi16 and an add)
-inline __m256i dot_words(__m256i sums, __m256i a, __m256i b) {
+inline __m256i dpwssd(__m256i sums, __m256i a, __m256i b) {
   asm("%{vex%} vpdpwssd %2, %1, %0" : "+x"(sums) : "x"(a), "x"(b));
   return sums;
 }

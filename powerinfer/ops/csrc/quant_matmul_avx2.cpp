@@ -118,7 +118,7 @@ inline void sub_block_scales(const uint8_t* chunk, int64_t j, int h, __m256& dsc
 }
 
 // Up to ROW_GROUP rows of one output block, formats with unsigned q (all but Q8_0). VNNI: the int32
-// sums come from dot_bytes (avx2_lanes.h) directly (no int16 runs to widen).
+// sums come from dpbusd (avx2_lanes.h) directly (no int16 runs to widen).
 template <int64_t TYPE, int ROWS, bool VNNI>
 void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, float* out, int64_t ldc, int cols) {
   constexpr BlockFormat F = *find_format(TYPE);
@@ -149,8 +149,8 @@ void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, flo
           for (int r = 0; r < ROWS; ++r) {
             const __m256i xs = step_inputs(xq + r * K + k + 4 * step);
             if constexpr (VNNI) {
-              part[r][0] = dot_bytes(part[r][0], a, xs);
-              part[r][1] = dot_bytes(part[r][1], bb, xs);
+              part[r][0] = dpbusd(part[r][0], a, xs);
+              part[r][1] = dpbusd(part[r][1], bb, xs);
             } else {
               part[r][0] = _mm256_add_epi16(part[r][0], _mm256_maddubs_epi16(a, xs));
               part[r][1] = _mm256_add_epi16(part[r][1], _mm256_maddubs_epi16(bb, xs));
@@ -208,8 +208,8 @@ void output_block_q8(const uint8_t* chunks, const PreparedInput& x, int64_t m0, 
         std::memcpy(&two, xq + r * K + b * QK + 2 * p, 2);
         const __m256i xs = _mm256_cvtepi8_epi16(_mm_set1_epi16(two));
         if constexpr (VNNI) {
-          dot[r][0] = dot_words(dot[r][0], w0, xs);
-          dot[r][1] = dot_words(dot[r][1], w1, xs);
+          dot[r][0] = dpwssd(dot[r][0], w0, xs);
+          dot[r][1] = dpwssd(dot[r][1], w1, xs);
         } else {
           dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(w0, xs));
           dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(w1, xs));

@@ -230,18 +230,18 @@ void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
         lo[h] = _mm256_unpacklo_epi16(v0, v1), hi[h] = _mm256_unpackhi_epi16(v0, v1);
       }
       for (int r = 0; r < R; ++r) {
-        __m256i sum_lo = _mm256_madd_epi16(lo[0], k[0][r]), sum_hi = _mm256_madd_epi16(hi[0], k[0][r]);
-        for (int h = 1; h < P; ++h)
-          if constexpr (VNNI) {
-            sum_lo = dot_words(sum_lo, lo[h], k[h][r]);
-            sum_hi = dot_words(sum_hi, hi[h], k[h][r]);
-          } else {
+        __m256i* a = reinterpret_cast<__m256i*>(acc + r * chunk + g);
+        if constexpr (VNNI) {  // straight into the sums
+          for (int h = 0; h < P; ++h) a[0] = dpwssd(a[0], lo[h], k[h][r]), a[1] = dpwssd(a[1], hi[h], k[h][r]);
+        } else {
+          __m256i sum_lo = _mm256_madd_epi16(lo[0], k[0][r]), sum_hi = _mm256_madd_epi16(hi[0], k[0][r]);
+          for (int h = 1; h < P; ++h) {
             sum_lo = _mm256_add_epi32(sum_lo, _mm256_madd_epi16(lo[h], k[h][r]));
             sum_hi = _mm256_add_epi32(sum_hi, _mm256_madd_epi16(hi[h], k[h][r]));
           }
-        __m256i* a = reinterpret_cast<__m256i*>(acc + r * chunk + g);
-        a[0] = _mm256_add_epi32(a[0], sum_lo);
-        a[1] = _mm256_add_epi32(a[1], sum_hi);
+          a[0] = _mm256_add_epi32(a[0], sum_lo);
+          a[1] = _mm256_add_epi32(a[1], sum_hi);
+        }
       }
     }
   }
