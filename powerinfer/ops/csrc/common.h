@@ -44,7 +44,7 @@ void set_isa(Isa isa);    // switch (tests run each path); refuses one the CPU l
 const char* isa_name(Isa isa);
 // AVX-VNNI (Alder Lake, Sapphire Rapids, Zen 5 and later): the AVX2 QuantLinear kernel sums 4 byte
 // products per int32 lane in one instruction where the CPU has it, with the same integer results.
-// On unless POWERINFER_AVX_VNNI=0 (as a CPU without it runs).
+// On unless POWERINFER_AVX_VNNI=0 (or off, false, no: as a CPU without it runs).
 bool avx_vnni_detected();
 bool avx_vnni_active();
 void set_avx_vnni(bool on);  // refuses on where the CPU lacks it

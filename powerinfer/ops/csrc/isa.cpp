@@ -5,6 +5,7 @@
 #include "common.h"
 
 #include <atomic>
+#include <cctype>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -63,9 +64,17 @@ bool avx_vnni_detected() {
 }
 
 namespace {
-std::atomic<bool>& vnni() {
+// POWERINFER_AVX_VNNI=0 (or off, false, no, in any case) turns it off
+bool refused_by_environment() {
   const char* wanted = std::getenv("POWERINFER_AVX_VNNI");
-  static std::atomic<bool> on{avx_vnni_detected() && (wanted == nullptr || std::string(wanted) != "0")};
+  if (wanted == nullptr) return false;
+  std::string value(wanted);
+  for (char& c : value) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return value == "0" || value == "off" || value == "false" || value == "no";
+}
+
+std::atomic<bool>& vnni() {
+  static std::atomic<bool> on{avx_vnni_detected() && !refused_by_environment()};
   return on;
 }
 }  // namespace
