@@ -223,7 +223,7 @@ def section(args, machine: str, prompt_ids: list[int], original: Runs, ours: Our
         f"Measured {datetime.date.today().isoformat()} on {machine}; load average {load_after} at the end.",
         f"PowerInfer: commit `{commit}` (https://github.com/SJTU-IPADS/PowerInfer), its `main`, built CPU-only with",
         f"CMake `{' '.join(upstream.cmake_flags(args.isa))}`"
-        f"{'; powerinfer forced to AVX2 (POWERINFER_ISA=avx2)' if args.isa == 'avx2' else ''}.",
+        f"{'; powerinfer forced to plain AVX2 (POWERINFER_ISA=avx2, POWERINFER_AVX_VNNI=0)' if args.isa == 'avx2' else ''}.",
         f"File: `{args.model.name}` ({args.model.stat().st_size / 2**20:.0f} MiB), made by PowerInfer's convert.py and",
         f"`quantize ... Q4_0`: {types}.",
         f"{args.threads} thread{'s' if args.threads > 1 else ''}; prompt \"{args.prompt}\" ({len(prompt_ids)} tokens, as "

@@ -128,7 +128,7 @@ def main() -> None:
             print(lines[-1], flush=True)
     header = (f"# Input sparsity at 7B width: decode tok/s, sparsified vs dense\n\n"
               f"Measured {datetime.date.today()} on {machine_description()}; {args.threads} threads; kernels "
-              f"{native.load().isa() if native.load() else 'plain torch'}; {args.n_gen} tokens per run, median of "
+              f"{native.kernels_label() if native.load() else 'plain torch'}; {args.n_gen} tokens per run, median of "
               f"{args.reps} interleaved runs.\n\n"
               "| types | sparsity | decode tok/s | vs dense | MB read per token |\n| --- | --- | --- | --- | --- |\n")
     args.out.write_text(header + "\n".join(lines) + f"\n\nCommand: `.venv/bin/python benchmarks/sparse_7b.py "

@@ -44,7 +44,7 @@ RESULTS = Path(__file__).parent / "results"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--isa", help="instruction set (default: the CPU's best)")
+    parser.add_argument("--isa", help="instruction set: avx512, avx2+vnni, avx2 or scalar (default: the CPU's best)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--types", nargs="+", default=["Q4_0", "Q4_K", "Q8_0"], help="the rows' block types")
@@ -61,7 +61,10 @@ def main() -> None:
     if ops is None:
         raise SystemExit("native operators are unavailable: nothing to benchmark")
     isa = args.isa or ops.detected_isa()
-    ops.set_isa(isa)
+    base, _, extension = isa.partition("+")
+    ops.set_isa(base)
+    if ops.avx_vnni_detected():  # "avx2" is plain AVX2, as CPUs without AVX-VNNI run it; "avx2+vnni" with it
+        ops.set_avx_vnni(extension == "vnni")
     torch.set_num_threads(args.threads)
     machine, bandwidth = machine_description(), memory_bandwidth()
     rng = np.random.default_rng(0)
