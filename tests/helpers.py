@@ -70,6 +70,17 @@ def activation_rounding_factor() -> float:
     return 4.0 if native.load() is not None and native.ACTIVATION_ROUNDING[native.load().isa()] == "int8" else 1.0
 
 
+def plain_and_vnni_avx2(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """layer(x) on the AVX2 kernels without and with AVX-VNNI (a CPU that has it)."""
+    from powerinfer.ops import native
+
+    with native.kernel_path("avx2"):
+        plain = layer(x)
+    with native.kernel_path("avx2+vnni"):
+        vnni = layer(x)
+    return plain, vnni
+
+
 def engine(path, n_ctx: int = 128, **options) -> Engine:
     """An engine over the model at `path`, built with FFNOptions(**options), with a float32 KV cache:
     its users compare paths at float32 rounding, which a float16 cache's rounding would hide."""

@@ -17,6 +17,7 @@ from powerinfer.ops.quant import BLOCK_TYPES
 from powerinfer.sparse import neurons as N
 
 from conftest import quantized_rows
+from helpers import plain_and_vnni_avx2
 
 pytestmark = pytest.mark.skipif(quant_kernel() is None, reason="native operators unavailable")
 TYPES = sorted(BLOCK_TYPES)
@@ -75,11 +76,7 @@ def test_avx_vnni_gives_the_plain_avx2_kernels_results_bit_for_bit(ggml_type, ro
     cols = 2 * GGML_QUANT_SIZES[ggml_type][0] if ggml_type not in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0) else 96
     layer = pack_quant([quantized_rows(ggml_type, rows, cols, seed)])
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(seed))
-    with native.instruction_set("avx2"):
-        with native.avx_vnni(False):
-            plain = layer(x)
-        with native.avx_vnni(True):
-            vnni = layer(x)
+    plain, vnni = plain_and_vnni_avx2(layer, x)
     assert torch.equal(plain, vnni)
 
 

@@ -20,6 +20,8 @@ from powerinfer.ops.quant import T, random_blocks
 from powerinfer.sparse import columns
 from powerinfer.sparse.columns import SPARSE_MAX_ROWS, RowMatrix, column_linear, runs_take, sparse_reference
 
+from helpers import plain_and_vnni_avx2
+
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native operators unavailable")
 
 RUN_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
@@ -171,11 +173,7 @@ def test_avx_vnni_gives_the_plain_avx2_q8_runs_results_bit_for_bit(ggml_type, ro
     m = matrix(ggml_type, 8200, in_features, seed=rows)
     x = inputs(rows, in_features, seed=rows + 1)
     layer = column_linear([m], thresholds_at(x, 0.3, seed=rows + 2))
-    with native.instruction_set("avx2"):
-        with native.avx_vnni(False):
-            plain = layer(x)
-        with native.avx_vnni(True):
-            vnni = layer(x)
+    plain, vnni = plain_and_vnni_avx2(layer, x)
     assert torch.equal(plain, vnni)
 
 

@@ -13,8 +13,8 @@ import importlib
 import json
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -74,30 +74,29 @@ def activation(kind: FFNActivation):
 
 
 @contextmanager
-def instruction_set(name: str) -> Iterator[None]:
+def _switched(get: Callable[[], object], set_to: Callable[[object], None], value: object) -> Iterator[None]:
+    """One of the module's process-wide kernel switches set to `value` inside the block, then back."""
+    previous = get()
+    set_to(value)
+    try:
+        yield
+    finally:
+        set_to(previous)
+
+
+def instruction_set(name: str) -> AbstractContextManager[None]:
     """Run the kernels of instruction set `name` (avx512, avx2 or scalar; at most what the CPU has)
     inside the block: how tests check each path on one machine. POWERINFER_ISA sets it per process."""
     ops = load()
-    previous = ops.isa()
-    ops.set_isa(name)
-    try:
-        yield
-    finally:
-        ops.set_isa(previous)
+    return _switched(ops.isa, ops.set_isa, name)
 
 
-@contextmanager
-def avx_vnni(on: bool) -> Iterator[None]:
-    """Inside the block, the AVX2 QuantLinear kernel uses AVX-VNNI (on: the CPU must have it) or not,
-    with the same integer results: how tests and benchmarks run each. POWERINFER_AVX_VNNI=0 turns it
-    off per process."""
+def avx_vnni(on: bool) -> AbstractContextManager[None]:
+    """Inside the block, the AVX2 kernels use AVX-VNNI (on: the CPU must have it) or not, with the
+    same integer results: how tests and benchmarks run each. POWERINFER_AVX_VNNI=0 turns it off per
+    process."""
     ops = load()
-    previous = ops.avx_vnni()
-    ops.set_avx_vnni(on)
-    try:
-        yield
-    finally:
-        ops.set_avx_vnni(previous)
+    return _switched(ops.avx_vnni, ops.set_avx_vnni, on)
 
 
 def kernels_label() -> str:

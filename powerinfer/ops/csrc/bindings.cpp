@@ -39,8 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "use the kernels of `name` (at most the detected one)");
 
   m.def("avx_vnni_detected", &avx_vnni_detected, "whether this CPU has AVX-VNNI");
-  m.def("avx_vnni", &avx_vnni_active, "whether the AVX2 QuantLinear kernel uses AVX-VNNI");
-  m.def("set_avx_vnni", &set_avx_vnni, "use AVX-VNNI in the AVX2 QuantLinear kernel or not (on: the CPU must have it)");
+  m.def("avx_vnni", &avx_vnni_active, "whether the AVX2 kernels use AVX-VNNI");
+  m.def("set_avx_vnni", &set_avx_vnni, "use AVX-VNNI in the AVX2 kernels or not (on: the CPU must have it)");
 
   m.def("quant_types", [] {
     std::vector<int64_t> types;

@@ -42,8 +42,9 @@ Isa detected_isa();       // the best this CPU and OS run
 Isa active_isa();         // the one kernels use: detected, or lower where POWERINFER_ISA says so
 void set_isa(Isa isa);    // switch (tests run each path); refuses one the CPU lacks
 const char* isa_name(Isa isa);
-// AVX-VNNI (Alder Lake, Sapphire Rapids, Zen 5 and later): the AVX2 QuantLinear kernel sums 4 byte
-// products per int32 lane in one instruction where the CPU has it, with the same integer results.
+// AVX-VNNI (Alder Lake, Sapphire Rapids, Zen 5 and later): the AVX2 kernels of QuantLinear and of the
+// Q8 channel runs sum 4 byte (or 2 int16) products per int32 lane in one instruction where the CPU
+// has it, with the same integer results.
 // On unless POWERINFER_AVX_VNNI=0 (or off, false, no: as a CPU without it runs).
 bool avx_vnni_detected();
 bool avx_vnni_active();

@@ -75,6 +75,10 @@ constexpr int64_t STEP = 4;  // inputs per step of the 2- and 4-bit layouts: two
 
 // Output o's slot in a step's bytes: o with bits 2 and 3 swapped (an involution).
 constexpr int slot_of(int o) { return (o & 3) | (o & 4) << 1 | (o & 8) >> 1; }
+// The same order as a shuffle immediate over 4 quarters of 4 outputs: quarters 0, 2, 1, 3.
+constexpr int SLOT_QUARTERS = 0xD8;
+static_assert(slot_of(4) == 8 && slot_of(8) == 4 && (SLOT_QUARTERS >> 2 & 3) == 2 && (SLOT_QUARTERS >> 4 & 3) == 1,
+              "SLOT_QUARTERS swaps the quarters that slot_of swaps");
 
 // Where a bit field of weight (output o, input k) lies in a chunk.
 struct BitPlace {

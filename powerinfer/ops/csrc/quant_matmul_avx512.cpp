@@ -92,7 +92,7 @@ inline void multiply_sub_block(const uint8_t* chunk, int64_t s0, const __m512i (
 template <bool SLOTS, bool SIGNED, int NIBBLE = -1>
 inline __m512 byte_vector(const uint8_t* p) {
   __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (SLOTS) bytes = _mm_shuffle_epi32(bytes, 0xD8);  // quarters 0, 2, 1, 3: outputs 0-3, 8-11, 4-7, 12-15
+  if constexpr (SLOTS) bytes = _mm_shuffle_epi32(bytes, SLOT_QUARTERS);  // outputs 0-3, 8-11, 4-7, 12-15
   __m512i v = SIGNED ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
   if constexpr (NIBBLE >= 0) v = _mm512_and_si512(_mm512_srli_epi32(v, 4 * NIBBLE), _mm512_set1_epi32(0x0F));
   return _mm512_cvtepi32_ps(v);
@@ -102,7 +102,7 @@ inline __m512 byte_vector(const uint8_t* p) {
 template <bool SLOTS>
 inline __m512 half_vector(const uint8_t* p) {
   __m256i halves = load32(p);
-  if constexpr (SLOTS) halves = _mm256_permute4x64_epi64(halves, 0xD8);
+  if constexpr (SLOTS) halves = _mm256_permute4x64_epi64(halves, SLOT_QUARTERS);
   return _mm512_cvtph_ps(halves);
 }
 
@@ -153,7 +153,7 @@ void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, flo
     }
   }
   for (int r = 0; r < ROWS; ++r)  // slot order -> output order: the same swap of the middle quarters
-    _mm512_mask_storeu_ps(out + r * ldc, store, SLOTS<TYPE> ? _mm512_shuffle_f32x4(acc[r], acc[r], 0xD8) : acc[r]);
+    _mm512_mask_storeu_ps(out + r * ldc, store, SLOTS<TYPE> ? _mm512_shuffle_f32x4(acc[r], acc[r], SLOT_QUARTERS) : acc[r]);
 }
 
 template <int64_t TYPE>

@@ -339,20 +339,21 @@ void add_q4_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, 
 
 }  // namespace
 
+// R rows' blocks with the form's kernel (Q8 with AVX-VNNI where it is on).
+template <int R>
+void add_form_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
+  if (l.form != RunForm::Q8) return add_q4_blocks<R>(l, runs, s, i0, i1, y);
+  if (avx_vnni_active()) return add_q8_blocks<R, add_q8_piece<R, true>>(l, runs, s, i0, i1, y);
+  add_q8_blocks<R>(l, runs, s, i0, i1, y);
+}
+
 void add_runs(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
   static_assert(MAX_GROUP_ROWS == 4, "one kernel per group size");
-  const bool q8 = l.form == RunForm::Q8;
-  if (q8 && avx_vnni_active()) switch (s.rows) {
-      case 1: return add_q8_blocks<1, add_q8_piece<1, true>>(l, runs, s, i0, i1, y);
-      case 2: return add_q8_blocks<2, add_q8_piece<2, true>>(l, runs, s, i0, i1, y);
-      case 3: return add_q8_blocks<3, add_q8_piece<3, true>>(l, runs, s, i0, i1, y);
-      default: return add_q8_blocks<4, add_q8_piece<4, true>>(l, runs, s, i0, i1, y);
-    }
   switch (s.rows) {
-    case 1: return q8 ? add_q8_blocks<1>(l, runs, s, i0, i1, y) : add_q4_blocks<1>(l, runs, s, i0, i1, y);
-    case 2: return q8 ? add_q8_blocks<2>(l, runs, s, i0, i1, y) : add_q4_blocks<2>(l, runs, s, i0, i1, y);
-    case 3: return q8 ? add_q8_blocks<3>(l, runs, s, i0, i1, y) : add_q4_blocks<3>(l, runs, s, i0, i1, y);
-    default: return q8 ? add_q8_blocks<4>(l, runs, s, i0, i1, y) : add_q4_blocks<4>(l, runs, s, i0, i1, y);
+    case 1: return add_form_blocks<1>(l, runs, s, i0, i1, y);
+    case 2: return add_form_blocks<2>(l, runs, s, i0, i1, y);
+    case 3: return add_form_blocks<3>(l, runs, s, i0, i1, y);
+    default: return add_form_blocks<4>(l, runs, s, i0, i1, y);
   }
 }
 
