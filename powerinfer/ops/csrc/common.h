@@ -81,6 +81,18 @@ inline void prefetch_line(const uint8_t* p) {
 #endif
 }
 
+// Reads the line at p into L1 (prefetcht0): for kernels that fetch one line ahead per line they
+// consume (no burst), a few hundred cycles before its use (SparseInputProjection's groups of runs:
+// measured against prefetcht1 on an AMD EPYC, 2 threads, 50 % skipped, AVX2 runs of an 11008 -> 4096
+// Q4_0 linear 0.79x -> 0.97x the dense kernel's speed, AVX-512 0.99x -> 1.12x; none slower).
+inline void prefetch_line_l1(const uint8_t* p) {
+#if defined(__x86_64__) || defined(_M_X64)
+  asm volatile("prefetcht0 (%0)" : : "r"(p));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
 inline void prefetch(const uint8_t* p, int64_t bytes) {
   for (int64_t at = 0; at < bytes; at += 64) prefetch_line(p + at);
 }

@@ -1,9 +1,9 @@
 // The AVX2 kernel of SparseInputProjection (sparse_input.h). Chunk by chunk of outputs, and within a
 // chunk per active block of 32 inputs:
 //   4-bit forms: the int16 sums of the chunk's outputs (of every row of the group) stay in L1 while
-//   the active channels' pieces of run stream past, four channels (two pairs) at a time (the hardware
-//   prefetchers follow a run, and adjacent runs; the start of a run after a skipped one is fetched
-//   ahead); a pair's nibbles interleaved byte by byte, `_mm256_maddubs_epi16` by a row's [k_j, k_j+1]
+//   the active channels' pieces of run stream past, four channels (two pairs) at a time (each group
+//   fetching the next group's pieces ahead, GroupRuns); a pair's nibbles interleaved byte by byte,
+//   `_mm256_maddubs_epi16` by a row's [k_j, k_j+1]
 //   byte pairs sums both channels' products for 16 outputs.
 //   Q8: the same, eight channels at a time, with int32 sums: both channels' bytes of a pair
 //   sign-extended to int16 and interleaved meet a row's [k_j, k_j+1] in one `_mm256_madd_epi16`.
@@ -50,23 +50,43 @@ constexpr int64_t Q4_SUMS = 8192;
 // 262k-output head, 1 and 4 rows), their int32 sums of all rows at most Q8_SUMS (64 KB, in L2).
 constexpr int64_t Q8_CHUNK = 8192, Q8_SUMS = 16384;
 
-// Bytes fetched ahead (into L2: into L1 the burst outran the few L1 miss buffers, measured slower)
-// where a run starts a new stream (measured on the 7B shapes, 2 threads, against fetching each next
-// piece whole, and nothing: the whole pieces were slowest, nothing slower than this on the 2 KB runs
-// of an 11008 -> 4096 linear).
-constexpr int64_t STREAM_START = 512;
-
 // Channels per pass over the sums: the sums are loaded and stored once per group. 4-bit runs take
 // two pairs (their k stay in registers; four pairs spilled them, slower for groups of rows); Q8 runs
 // four pairs (measured on a 262k-output Q8 head, 4 rows: 1.2x two pairs' speed; eight pairs spilled
 // the weights, 0.6x).
 constexpr int Q4_GROUP = 4, Q8_GROUP = 8;
 
-// Channels [j, j + G) of a block: their runs at byte `at` (past j1, channel j's: its k is 0 there).
+// The byte of a run where output o's weights start (o a multiple of 64).
+inline int64_t run_byte(const RunLayout& l, int64_t o) { return l.form == RunForm::Q8 ? o : o / 2; }
+
+// The pieces of channels [j, j + G) of a block's runs that a group reads for outputs [c0, c0 + n)
+// (past j1, channel j's: its k is 0 there).
 template <int G>
-inline void group_runs(const RunLayout& l, const uint8_t* block, const Selection& s, int32_t j, int32_t j1, int64_t at,
-                       const uint8_t* w[G]) {
-  for (int p = 0; p < G; ++p) w[p] = block + l.run_at(s.channel[j + p < j1 ? j + p : j]) + at;
+struct GroupRuns {
+  const uint8_t* w[G];
+  int64_t bytes = 0;  // of each piece (0: no group)
+
+  GroupRuns() = default;
+  GroupRuns(const RunLayout& l, const uint8_t* block, const Selection& s, int32_t j, int32_t j1, int64_t c0, int64_t n)
+      : bytes(run_byte(l, n)) {
+    for (int p = 0; p < G; ++p) w[p] = block + l.run_at(s.channel[j + p < j1 ? j + p : j]) + run_byte(l, c0);
+  }
+  // Fetches the pieces' line at byte `at` into the cache. A group fetches the next group's pieces (after
+  // its last, the next piece kernel's first) at the byte it reads itself: every run of a block starts a
+  // stream of its own a piece long (4-8 KB), which the hardware prefetchers learn too late (measured on
+  // an AMD EPYC with AVX-512, 2 threads, one row, 50 % skipped, ratio to the dense kernel: 4096 ->
+  // 12288 Q4_0 1.31x -> 1.51x, 11008 -> 4096 1.21x -> 1.53x; two groups ahead 1.44x, 1.33x).
+  void fetch(int64_t at) const {
+    if (at % 64 == 0 && at < bytes)
+      for (int p = 0; p < G; ++p) prefetch_line_l1(w[p] + at);
+  }
+};
+
+// Fetches the scales (d, and m where the form has them) of outputs [o, o + n) of a block into the
+// cache: the last group of a piece fetches those its outputs' sums meet next.
+inline void fetch_scales(const RunLayout& l, const uint8_t* block, int64_t o, int64_t n) {
+  prefetch(block + l.d_at(o), 2 * n);
+  if (l.has_min()) prefetch(block + l.m_at(o), 2 * n);
 }
 
 // What a piece kernel reads of block i of the selection for outputs [c0, c0 + chunk): the block's
@@ -113,15 +133,6 @@ inline void pair_ks(const Selection& s, int32_t j, int32_t j1, __m256i k[G / 2][
     }
 }
 
-// The next group's runs that start a new stream (that do not follow the run before them): their first
-// `bytes` from byte `at` fetched ahead; the hardware prefetchers follow the rest, and adjacent runs.
-template <int G>
-inline void fetch_stream_starts(const RunLayout& l, const uint8_t* block, const Selection& s, int32_t j, int32_t j1,
-                                int64_t at, int64_t bytes) {
-  for (int32_t m = j + G; m < std::min(j + 2 * G, j1); ++m)
-    if (s.channel[m] != s.channel[m - 1] + 1) prefetch(block + l.run_at(s.channel[m]) + at, bytes);
-}
-
 // The sums of 32 outputs from their two int16 vectors (lo, hi: the unpacked halves, slot order
 // [0 16 1 17 2 18 3 19 | 8 24 ... 11 27] and [4 20 ... 7 23 | 12 28 ... 15 31]) as four int32
 // vectors of 8 outputs in order.
@@ -159,7 +170,7 @@ inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, int64_t o, 
 // (see in_order).
 template <int R>
 void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
-                  float* y, int16_t* acc) {
+                  const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc) {
   const auto [block, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int r = 0; r < R; ++r) {
@@ -167,12 +178,14 @@ void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
     for (int64_t o = 0; o < n; o += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(acc + r * chunk + o), init);
   }
   for (int32_t j = j0; j < j1; j += Q4_GROUP) {
-    fetch_stream_starts<Q4_GROUP>(l, block, s, j, j1, c0 / 2, std::min(n / 2, STREAM_START));
-    const uint8_t* w[Q4_GROUP];
-    group_runs<Q4_GROUP>(l, block, s, j, j1, c0 / 2, w);
+    const GroupRuns<Q4_GROUP> here(l, block, s, j, j1, c0, n);
+    const GroupRuns<Q4_GROUP> next = j + Q4_GROUP < j1 ? GroupRuns<Q4_GROUP>(l, block, s, j + Q4_GROUP, j1, c0, n) : after;
+    const uint8_t* const* w = here.w;
     __m256i k[Q4_GROUP / 2][R];
     pair_ks<Q4_GROUP, R, false>(s, j, j1, k);
     for (int64_t g = 0; g < n; g += 64) {
+      next.fetch(g / 2);
+      if (j + Q4_GROUP >= j1) fetch_scales(l, block, c0 + g, 64);
       __m256i both[Q4_GROUP / 2][4];
       for (int h = 0; h < Q4_GROUP / 2; ++h) {
         const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[2 * h] + g / 2));
@@ -212,17 +225,19 @@ inline void q8_in_order(__m256i a, __m256i b, __m256i& first, __m256i& second) {
 // VNNI: AVX-VNNI's vpdpwssd does each madd and its add in one instruction (the same int32 sums).
 template <int R, bool VNNI = false>
 void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
-                  float* y, int32_t* acc) {
+                  const GroupRuns<Q8_GROUP>& after, float* y, int32_t* acc) {
   constexpr int P = Q8_GROUP / 2;
   const auto [block, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   std::fill(acc, acc + R * chunk, 0);
   for (int32_t j = j0; j < j1; j += Q8_GROUP) {
-    fetch_stream_starts<Q8_GROUP>(l, block, s, j, j1, c0, std::min(n, STREAM_START));
-    const uint8_t* w[Q8_GROUP];
-    group_runs<Q8_GROUP>(l, block, s, j, j1, c0, w);
+    const GroupRuns<Q8_GROUP> here(l, block, s, j, j1, c0, n);
+    const GroupRuns<Q8_GROUP> next = j + Q8_GROUP < j1 ? GroupRuns<Q8_GROUP>(l, block, s, j + Q8_GROUP, j1, c0, n) : after;
+    const uint8_t* const* w = here.w;
     alignas(32) __m256i k[P][R];
     pair_ks<Q8_GROUP, R, true>(s, j, j1, k);
     for (int64_t g = 0; g < n; g += 16) {
+      next.fetch(g);
+      if (j + Q8_GROUP >= j1 && g % 32 == 0) fetch_scales(l, block, c0 + g, 32);
       __m256i lo[P], hi[P];
       for (int h = 0; h < P; ++h) {
         const __m256i v0 = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(w[2 * h] + g)));
@@ -312,29 +327,47 @@ namespace {
 // 262k-output head's float sums, 1 MB a row, go to memory and back once per block: measured 1.15-1.25x
 // slower with four rows, alike with one).
 // Piece: the kernel of one block's runs for one chunk of outputs (this file's AVX2 one, or AVX-512's).
+// after: the next piece's first group of runs, for the piece to fetch ahead.
 using Q8Piece = void (*)(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0,
-                         int64_t chunk, float* y, int32_t* acc);
+                         int64_t chunk, const GroupRuns<Q8_GROUP>& after, float* y, int32_t* acc);
+
+// The first group of runs of block i's piece for outputs [c0, c0 + chunk), or none (bytes 0) where
+// the range is empty.
+template <int G>
+GroupRuns<G> first_group(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t i1, int64_t c0,
+                         int64_t chunk) {
+  if (i >= i1 || c0 >= l.padded) return {};
+  return {l, runs + s.blocks[i] * l.block_bytes(), s, s.start[i], s.start[i + 1], c0, std::min(chunk, l.padded - c0)};
+}
 
 template <int R, Q8Piece piece = add_q8_piece<R>>
 void add_q8_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
   alignas(64) int32_t acc[Q8_SUMS];
   constexpr int64_t chunk = std::min<int64_t>(Q8_CHUNK, Q8_SUMS / R / RUN_GROUP * RUN_GROUP);
   for (int64_t c0 = 0; c0 < l.padded; c0 += chunk)
-    for (int64_t i = i0; i < i1; ++i) piece(l, runs, s, i, c0, chunk, y, acc);
+    for (int64_t i = i0; i < i1; ++i) {
+      const auto after = i + 1 < i1 ? first_group<Q8_GROUP>(l, runs, s, i + 1, i1, c0, chunk)
+                                    : first_group<Q8_GROUP>(l, runs, s, i0, i1, c0 + chunk, chunk);
+      piece(l, runs, s, i, c0, chunk, after, y, acc);
+    }
 }
 
 // 4-bit: block by block, each block's runs chunk after chunk, so that a run's pieces are read in
 // order (chunk by chunk over the blocks, each piece a new stream: measured 1.1-1.3x slower on a
 // 4096 -> 22016 Q4_0 linear, one row, 40-50 % skipped).
 using Q4Piece = void (*)(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0,
-                         int64_t chunk, float* y, int16_t* acc);
+                         int64_t chunk, const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc);
 
 template <int R, Q4Piece piece = add_q4_piece<R>>
 void add_q4_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
   alignas(64) int16_t acc[Q4_SUMS];
   constexpr int64_t chunk = Q4_SUMS / R / RUN_GROUP * RUN_GROUP;
   for (int64_t i = i0; i < i1; ++i)
-    for (int64_t c0 = 0; c0 < l.padded; c0 += chunk) piece(l, runs, s, i, c0, chunk, y, acc);
+    for (int64_t c0 = 0; c0 < l.padded; c0 += chunk) {
+      const auto after = c0 + chunk < l.padded ? first_group<Q4_GROUP>(l, runs, s, i, i1, c0 + chunk, chunk)
+                                               : first_group<Q4_GROUP>(l, runs, s, i + 1, i1, 0, chunk);
+      piece(l, runs, s, i, c0, chunk, after, y, acc);
+    }
 }
 
 }  // namespace
@@ -367,13 +400,47 @@ POWERINFER_TARGET_AVX512
 namespace powerinfer::avx512 {
 namespace {
 
+// y[o .. o + 128) += a row's 4-bit sums of those outputs (the four int16 vectors at `sums`, see
+// add_q4_piece) times the block's d and the row's scale, plus Q4_MIN's minimum term.
+inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, int64_t o, const int16_t* sums, float scale,
+                           int32_t k_sum, float* y) {
+  // Vector u holds, per 128-bit lane, int16 pairs of outputs (e, e + 16): lane 0 e = 0..3 (u = 0), 4..7
+  // (u = 1), lane 1 8..11, 12..15, lanes 2 and 3 the same + 64; u = 2, 3 the same + 32. Their even
+  // and odd halves as int32, vectors u = 0 and 1 side by side, give outputs 0-15 and 64-79 (even), 16-31 and
+  // 80-95 (odd); u = 2, 3 the same + 32.
+  const __m512i low_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i high_half = _mm512_add_epi32(low_half, _mm512_set1_epi32(8));
+  const __m512 row_scale = _mm512_set1_ps(scale);
+  const __m512 rounded_sum = _mm512_set1_ps(scale * static_cast<float>(k_sum));
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  for (int u = 0; u < 4; u += 2) {
+    const __m512i a = _mm512_load_si512(sums + 32 * u), b = _mm512_load_si512(sums + 32 * u + 32);
+    const __m512i even_a = _mm512_srai_epi32(_mm512_slli_epi32(a, 16), 16), odd_a = _mm512_srai_epi32(a, 16);
+    const __m512i even_b = _mm512_srai_epi32(_mm512_slli_epi32(b, 16), 16), odd_b = _mm512_srai_epi32(b, 16);
+    const __m512i in_order[4] = {_mm512_permutex2var_epi32(even_a, low_half, even_b),   // + 0
+                                 _mm512_permutex2var_epi32(odd_a, low_half, odd_b),     // + 16
+                                 _mm512_permutex2var_epi32(even_a, high_half, even_b),  // + 64
+                                 _mm512_permutex2var_epi32(odd_a, high_half, odd_b)};   // + 80
+    for (int v = 0; v < 4; ++v) {
+      const int64_t at = o + 16 * u + 16 * (v % 2) + 64 * (v / 2);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + l.d_at(at))));
+      __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(in_order[v]), _mm512_mul_ps(row_scale, d), _mm512_loadu_ps(y + at));
+      if (l.has_min()) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + l.m_at(at))));
+        sum = _mm512_fmadd_ps(_mm512_fmadd_ps(eight, d, m), rounded_sum, sum);
+      }
+      _mm512_storeu_ps(y + at, sum);
+    }
+  }
+}
+
 // 4-bit runs, R rows, outputs [c0, c0 + chunk) of block i (see avx2::add_q4_piece): 128 outputs per
 // step, each 256-bit half of a vector what the AVX2 kernel computes for 64 of them. acc: per row and
 // 128 outputs, the AVX2 kernel's four int16 vectors of the first 64 (a0..a3) and of the next 64 (b0..b3)
 // stored as a0 b0 a1 b1 a2 b2 a3 b3.
 template <int R>
 void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
-                  float* y, int16_t* acc) {
+                  const avx2::GroupRuns<avx2::Q4_GROUP>& after, float* y, int16_t* acc) {
   using namespace avx2;
   const auto [block, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -382,13 +449,15 @@ void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
     for (int64_t o = 0; o < n; o += 32) _mm512_store_si512(acc + r * chunk + o, init);
   }
   for (int32_t j = j0; j < j1; j += Q4_GROUP) {
-    fetch_stream_starts<Q4_GROUP>(l, block, s, j, j1, c0 / 2, std::min(n / 2, STREAM_START));
-    const uint8_t* w[Q4_GROUP];
-    group_runs<Q4_GROUP>(l, block, s, j, j1, c0 / 2, w);
+    const GroupRuns<Q4_GROUP> here(l, block, s, j, j1, c0, n);
+    const GroupRuns<Q4_GROUP> next = j + Q4_GROUP < j1 ? GroupRuns<Q4_GROUP>(l, block, s, j + Q4_GROUP, j1, c0, n) : after;
+    const uint8_t* const* w = here.w;
     __m512i k[Q4_GROUP / 2][R];
     for (int h = 0; h < Q4_GROUP / 2; ++h)
       for (int r = 0; r < R; ++r) k[h][r] = _mm512_set1_epi16(byte_pair(s, j + 2 * h, j1, r));
     for (int64_t g = 0; g < n; g += 128) {
+      next.fetch(g / 2);
+      if (j + Q4_GROUP >= j1) fetch_scales(l, block, c0 + g, 128);
       __m512i both[Q4_GROUP / 2][4];
       for (int h = 0; h < Q4_GROUP / 2; ++h) {
         const __m512i v0 = _mm512_loadu_si512(w[2 * h] + g / 2), v1 = _mm512_loadu_si512(w[2 * h + 1] + g / 2);
@@ -408,12 +477,7 @@ void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
   }
   for (int r = 0; r < R; ++r) {
     if (scale[r] == 0.0f) continue;  // nothing of this row in the block
-    for (int64_t g = 0; g < n; g += 128)
-      for (int half = 0; half < 2; ++half)    // outputs g + 64 half ..: the a or b vectors
-        for (int q = 0; q < 2; ++q) {         // their first 32 outputs (a0, a1) or the next (a2, a3)
-          const int16_t* v = acc + r * chunk + g + 16 * half + 64 * q;
-          add_q4_outputs(l, block, c0 + g + 64 * half + 32 * q, v, v + 32, scale[r], k_sum[r], y + r * l.padded);
-        }
+    for (int64_t g = 0; g < n; g += 128) add_q4_outputs(l, block, c0 + g, acc + r * chunk + g, scale[r], k_sum[r], y + r * l.padded);
   }
 }
 
@@ -422,19 +486,21 @@ void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
 // [2 10 3 11 | 6 14 7 15 | 18 26 19 27 | 22 30 23 31] (a pair's int16 interleaved per 128-bit lane).
 template <int R>
 void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
-                  float* y, int32_t* acc) {
+                  const avx2::GroupRuns<avx2::Q8_GROUP>& after, float* y, int32_t* acc) {
   using namespace avx2;
   constexpr int P = Q8_GROUP / 2;
   const auto [block, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   std::fill(acc, acc + R * chunk, 0);
   for (int32_t j = j0; j < j1; j += Q8_GROUP) {
-    fetch_stream_starts<Q8_GROUP>(l, block, s, j, j1, c0, std::min(n, STREAM_START));
-    const uint8_t* w[Q8_GROUP];
-    group_runs<Q8_GROUP>(l, block, s, j, j1, c0, w);
+    const GroupRuns<Q8_GROUP> here(l, block, s, j, j1, c0, n);
+    const GroupRuns<Q8_GROUP> next = j + Q8_GROUP < j1 ? GroupRuns<Q8_GROUP>(l, block, s, j + Q8_GROUP, j1, c0, n) : after;
+    const uint8_t* const* w = here.w;
     __m512i k[P][R];
     for (int h = 0; h < P; ++h)
       for (int r = 0; r < R; ++r) k[h][r] = _mm512_set1_epi32(wide_pair(s, j + 2 * h, j1, r));
     for (int64_t g = 0; g < n; g += 32) {
+      next.fetch(g);
+      if (j + Q8_GROUP >= j1) fetch_scales(l, block, c0 + g, 32);
       __m512i lo[P], hi[P];
       for (int h = 0; h < P; ++h) {
         const __m512i v0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[2 * h] + g)));
