@@ -44,9 +44,15 @@ from powerinfer.gguf import open_gguf
 from powerinfer.sparse.allocate import Allocator
 from powerinfer.sparse.calibrate import DEFAULT_TOKENS
 from powerinfer.sparse.columns import ColumnLinear
-from powerinfer.sparse.payoff import BreakEven
 from powerinfer.sparse.sites import model_sites
-from powerinfer.sparse.sparsify import DEFAULT_MAX_PPL_INCREASE, Target, calibration_of, taking_part, write_sparsified
+from powerinfer.sparse.sparsify import (
+    DEFAULT_MAX_PPL_INCREASE,
+    Target,
+    calibration_of,
+    model_break_even,
+    taking_part,
+    write_sparsified,
+)
 from powerinfer.sparse.storage import TARGET_KEY
 from powerinfer.tools.perplexity import chunks_of
 
@@ -117,7 +123,7 @@ class Calibrated:
 
     @cached_property
     def break_even(self):
-        return BreakEven()
+        return model_break_even(self.calibration.sites)
 
     @cached_property
     def paying_allocator(self):

@@ -195,7 +195,7 @@ def test_sparsify_keeps_an_existing_output(sparsified, tmp_path):
 def test_sites_whose_skipping_does_not_pay_run_dense(tmp_path, default_model, monkeypatch, capsys):
     """Where this machine measures the rows faster at every sparsity, the file gets no thresholds
     (so --sparsity auto is never slower than dense) and sparsify says so in one line."""
-    monkeypatch.setattr(sparsify_module, "BreakEven", lambda: BreakEven(lambda shape: NEVER))
+    monkeypatch.setattr(sparsify_module, "BreakEven", lambda **_: BreakEven(lambda shape, working_set: NEVER))
     source = save_tiny(tmp_path, "llama", default_model)
     output = tmp_path / "sparse.gguf"
     sparsify(LLM(source, sparsity="off"), CALIBRATION.read_text(), output, Target(sparsity=0.5), n_tokens=1024,
@@ -209,7 +209,8 @@ def test_the_quality_budget_goes_to_the_sites_that_pay(tmp_path, default_model, 
     """Where only the output head's skipping pays (its runs are a vocabulary long), sparsify spreads
     the target over the head alone: the file holds `output.thresholds` only, skipping the target's
     share of the head's channels, and decodes as its masked-dense form."""
-    monkeypatch.setattr(sparsify_module, "BreakEven", lambda: BreakEven(lambda shape: 0.1 if shape.rows[0][1] == VOCAB else NEVER))
+    monkeypatch.setattr(sparsify_module, "BreakEven",
+                        lambda **_: BreakEven(lambda shape, working_set: 0.1 if shape.rows[0][1] == VOCAB else NEVER))
     source = save_tiny(tmp_path, "llama", default_model)
     output = tmp_path / "sparse.gguf"
     allocation = sparsify(LLM(source, sparsity="off"), CALIBRATION.read_text(), output, Target(sparsity=0.4),

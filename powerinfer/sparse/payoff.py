@@ -5,7 +5,7 @@ little memory traffic (the hardware prefetchers fetch its neighbours), and a blo
 whatever it skips: the share of channels a site must skip before it decodes faster than by rows
 depends on the CPU, the threads and the linear's shape. `BreakEven` times both layouts once per distinct shape
 (random blocks: the speed does not depend on the values; copies rotating, so that every call reads
-from memory as decoding does) and finds the least sparsity at which the columns win.
+from memory as decoding does) and finds the least sparsity at which the columns win by a margin.
 """
 
 from __future__ import annotations
@@ -27,9 +27,18 @@ from powerinfer.sparse.columns import ColumnLinear, RowMatrix
 SPARSITY_STEPS = tuple(round(0.1 * i, 1) for i in range(1, 10))
 NEVER = 1.0  # the break-even of a shape whose columns never win
 FROM_MEMORY_BYTES = 96 << 20  # copies of a linear rotate until they hold this much (3x a 32 MiB L3)
-MAX_COPIES = 32  # smaller linears are read from cache in decoding too
+# ... or the model's weights, where they are fewer: a decode step reads every linear once, so a linear
+# is in cache at its next use only where the whole model fits. (A cap of 32 copies had SmolLM2's
+# 0.35 MB q/k/v inputs timed from L3 at 11 MB, where runs beat rows 1.6x; in its 96 MB decode step
+# they read from memory and lose.)
+MAX_COPIES = 1024
 MIN_SECONDS = 0.05  # per measurement
 MIN_CALLS = 9
+# The columns must beat the rows by this factor: in a decode step a site costs a little more than its
+# call timed alone (its selection, one more parallel region, the other thread's wait), and a single
+# timing on a shared machine errs by 5-10 %.
+PAYOFF_MARGIN = 1.05
+ROUNDS = 3  # timings of rows and columns, taking turns, per sparsity step: the median ratio counts
 
 
 @dataclass(frozen=True)
@@ -56,14 +65,14 @@ def median_seconds(layers: Sequence[Callable[[torch.Tensor], object]], x: torch.
     return statistics.median(times)
 
 
-def _copies(shape: LinearShape) -> int:
-    return min(MAX_COPIES, max(2, -(-FROM_MEMORY_BYTES // shape.row_bytes)))
+def _copies(shape: LinearShape, working_set: int) -> int:
+    return min(MAX_COPIES, max(2, -(-min(working_set, FROM_MEMORY_BYTES) // shape.row_bytes)))
 
 
-def _row_layers(shape: LinearShape, rng: np.random.Generator) -> list[Linear]:
+def _row_layers(shape: LinearShape, rng: np.random.Generator, working_set: int = FROM_MEMORY_BYTES) -> list[Linear]:
     tensors = lambda: [GGUFTensor(f"w{i}", t, (out, shape.in_features), random_blocks(t, out, shape.in_features, rng))  # noqa: E731
                        for i, (t, out) in enumerate(shape.rows)]
-    return [build_linear(tensors()) for _ in range(_copies(shape))]
+    return [build_linear(tensors()) for _ in range(_copies(shape, working_set))]
 
 
 def random_column_linear(in_features: int, rows: Sequence[tuple[T, int]], rng: np.random.Generator) -> ColumnLinear:
@@ -72,36 +81,55 @@ def random_column_linear(in_features: int, rows: Sequence[tuple[T, int]], rng: n
     return ColumnLinear(matrices, torch.zeros(in_features))
 
 
-def _column_layers(shape: LinearShape, rng: np.random.Generator) -> list[ColumnLinear]:
-    return [random_column_linear(shape.in_features, shape.rows, rng) for _ in range(_copies(shape))]
+def _column_layers(shape: LinearShape, rng: np.random.Generator, working_set: int = FROM_MEMORY_BYTES) -> list[ColumnLinear]:
+    return [random_column_linear(shape.in_features, shape.rows, rng) for _ in range(_copies(shape, working_set))]
 
 
-def measured_break_even(shape: LinearShape) -> float:
-    """The least of SPARSITY_STEPS at which one row through channel runs beats the rows (NEVER if
-    none does), timed on this machine with torch's threads."""
+def break_even_of(speedup: Callable[[float], float]) -> float:
+    """The sparsity at which the speed-up (rows' time / columns' time, as `speedup` measures it at
+    SPARSITY_STEPS, in order until one reaches PAYOFF_MARGIN) reaches the margin, interpolated between
+    that step and the one before (the steps are 10 % apart: a site allocated 28 % must not wait for
+    30 %), or NEVER."""
+    before = None
+    for sparsity in SPARSITY_STEPS:
+        gain = speedup(sparsity)
+        if gain >= PAYOFF_MARGIN:
+            if before is None or before[1] >= gain:
+                return sparsity
+            return before[0] + (sparsity - before[0]) * (PAYOFF_MARGIN - before[1]) / (gain - before[1])
+        before = (sparsity, gain)
+    return NEVER
+
+
+def measured_break_even(shape: LinearShape, working_set: int = FROM_MEMORY_BYTES) -> float:
+    """The sparsity from which one row through channel runs beats the rows by PAYOFF_MARGIN (NEVER
+    if none of SPARSITY_STEPS does), timed on this machine with torch's threads, copies of the
+    linear rotating through `working_set` bytes (the model's weights)."""
     rng = np.random.default_rng(0)
     x = torch.randn(1, shape.in_features, generator=torch.Generator().manual_seed(0))
-    dense = median_seconds(_row_layers(shape, rng), x)
-    columns = _column_layers(shape, rng)
-    for sparsity in SPARSITY_STEPS:
+    rows, columns = _row_layers(shape, rng, working_set), _column_layers(shape, rng, working_set)
+
+    def speedup(sparsity: float) -> float:
         level = float(torch.quantile(x.abs(), sparsity))
         for layer in columns:
             layer.thresholds.fill_(level)
-        if median_seconds(columns, x) < dense:
-            return sparsity
-    return NEVER
+        return statistics.median(median_seconds(rows, x) / median_seconds(columns, x) for _ in range(ROUNDS))
+
+    return break_even_of(speedup)
 
 
 @dataclass
 class BreakEven:
-    """Break-even sparsities by shape, each measured once (`measure`: how)."""
+    """Break-even sparsities by shape, each measured once (`measure`: how, given the bytes of the
+    model's weights, `working_set`)."""
 
-    measure: Callable[[LinearShape], float] = measured_break_even
+    measure: Callable[[LinearShape, int], float] = measured_break_even
+    working_set: int = FROM_MEMORY_BYTES
     known: dict[LinearShape, float] = field(default_factory=dict)
 
     def __call__(self, shape: LinearShape) -> float:
         if shape not in self.known:
-            self.known[shape] = self.measure(shape)
+            self.known[shape] = self.measure(shape, self.working_set)
         return self.known[shape]
 
     def pays(self, shape: LinearShape, sparsity: float) -> bool:

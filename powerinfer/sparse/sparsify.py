@@ -59,9 +59,15 @@ def sparsify(llm: LLM, text: str, output: str | os.PathLike[str], target: Target
     (every site that skips channels: a file for another CPU, or to measure quality)."""
     check_output_file(output, force)
     calibration = calibration_of(llm, text, n_tokens, progress)
-    break_even = None if all_sites else BreakEven()
+    break_even = None if all_sites else model_break_even(calibration.sites)
     allocator = Allocator(calibration, progress=progress, taking_part=taking_part(calibration.sites, break_even, progress))
     return write_sparsified(llm, allocator, output, target, method, force, progress, all_sites, break_even)
+
+
+def model_break_even(sites: list[Site]) -> BreakEven:
+    """Break-evens timed with copies of each linear rotating through the model's weights (all its
+    sites' linears: what a decode step reads)."""
+    return BreakEven(working_set=sum(s.linear.nbytes for s in sites))
 
 
 def taking_part(sites: list[Site], break_even: BreakEven | None, progress: bool = True) -> list[str]:
@@ -95,7 +101,8 @@ def write_sparsified(llm: LLM, allocator: Allocator, output: str | os.PathLike[s
     _check_model(llm)
     calibration = allocator.calibration
     allocation = target.allocate(allocator, method)
-    paying = _skipping_sites(calibration.sites, allocation, None if all_sites else break_even or BreakEven(), progress)
+    paying = _skipping_sites(calibration.sites, allocation, None if all_sites else break_even or model_break_even(calibration.sites),
+                             progress)
     if not paying:
         warn(f"no site of {llm.path.name} decodes faster skipping channels on this CPU at these sparsities: "
              f"{Path(output).name} runs every linear dense (--all-sites gives every site its thresholds anyway)")
