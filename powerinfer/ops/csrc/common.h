@@ -66,30 +66,29 @@ inline float bf16_value(uint16_t bits) {
   return v;
 }
 
-// Reads `bytes` from p into the cache ahead of use (for access the hardware prefetchers miss).
-// Into L2 (prefetcht1), not L1: a burst of L1 prefetches outruns the few L1 miss buffers (measured
+// The cache a prefetch fills.
+enum class CacheLevel { L1, L2 };
+
+// Reads the line at p into the cache ahead of use (for access the hardware prefetchers miss).
+// L2 (prefetcht1) unless said: a burst of L1 prefetches outruns the few L1 miss buffers (measured
 // on AMD EPYC Zen 4, one thread, from memory: sparse FFN records 9.7 -> 16.2 GB/s, QuantLinear
 // Q4_0 11 -> 13.5 GB/s and Q6_K 8.5 -> 10 GB/s); the kernels' own loads then hit L2.
+// L1 (prefetcht0) for kernels that fetch one line ahead per line they consume (no burst), a few
+// hundred cycles before its use (SparseInputProjection's groups of runs: measured against L2 on an
+// AMD EPYC, 2 threads, 50 % skipped, AVX2 runs of an 11008 -> 4096 Q4_0 linear 0.79x -> 0.97x the
+// dense kernel's speed, AVX-512 0.99x -> 1.12x; none slower).
+template <CacheLevel LEVEL = CacheLevel::L2>
 inline void prefetch_line(const uint8_t* p) {
   // An asm statement on x86, not __builtin_prefetch: GCC takes a function whose only effect is a
   // prefetch for one without effects and drops the calls to it (SparseInputProjection's kernel had
   // no prefetch instruction left).
 #if defined(__x86_64__) || defined(_M_X64)
-  asm volatile("prefetcht1 (%0)" : : "r"(p));
+  if constexpr (LEVEL == CacheLevel::L1)
+    asm volatile("prefetcht0 (%0)" : : "r"(p));
+  else
+    asm volatile("prefetcht1 (%0)" : : "r"(p));
 #else
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
-
-// Reads the line at p into L1 (prefetcht0): for kernels that fetch one line ahead per line they
-// consume (no burst), a few hundred cycles before its use (SparseInputProjection's groups of runs:
-// measured against prefetcht1 on an AMD EPYC, 2 threads, 50 % skipped, AVX2 runs of an 11008 -> 4096
-// Q4_0 linear 0.79x -> 0.97x the dense kernel's speed, AVX-512 0.99x -> 1.12x; none slower).
-inline void prefetch_line_l1(const uint8_t* p) {
-#if defined(__x86_64__) || defined(_M_X64)
-  asm volatile("prefetcht0 (%0)" : : "r"(p));
-#else
-  __builtin_prefetch(p, 0, 3);
+  __builtin_prefetch(p, 0, LEVEL == CacheLevel::L1 ? 3 : 2);
 #endif
 }
 

@@ -78,7 +78,7 @@ struct GroupRuns {
   // 12288 Q4_0 1.31x -> 1.51x, 11008 -> 4096 1.21x -> 1.53x; two groups ahead 1.44x, 1.33x).
   void fetch(int64_t at) const {
     if (at % 64 == 0 && at < bytes)
-      for (int p = 0; p < G; ++p) prefetch_line_l1(w[p] + at);
+      for (int p = 0; p < G; ++p) prefetch_line<CacheLevel::L1>(w[p] + at);
   }
 };
 
