@@ -69,7 +69,7 @@ def _copies(shape: LinearShape, working_set: int) -> int:
     return min(MAX_COPIES, max(2, -(-min(working_set, FROM_MEMORY_BYTES) // shape.row_bytes)))
 
 
-def _row_layers(shape: LinearShape, rng: np.random.Generator, working_set: int = FROM_MEMORY_BYTES) -> list[Linear]:
+def _row_layers(shape: LinearShape, rng: np.random.Generator, working_set: int) -> list[Linear]:
     tensors = lambda: [GGUFTensor(f"w{i}", t, (out, shape.in_features), random_blocks(t, out, shape.in_features, rng))  # noqa: E731
                        for i, (t, out) in enumerate(shape.rows)]
     return [build_linear(tensors()) for _ in range(_copies(shape, working_set))]
@@ -81,7 +81,7 @@ def random_column_linear(in_features: int, rows: Sequence[tuple[T, int]], rng: n
     return ColumnLinear(matrices, torch.zeros(in_features))
 
 
-def _column_layers(shape: LinearShape, rng: np.random.Generator, working_set: int = FROM_MEMORY_BYTES) -> list[ColumnLinear]:
+def _column_layers(shape: LinearShape, rng: np.random.Generator, working_set: int) -> list[ColumnLinear]:
     return [random_column_linear(shape.in_features, shape.rows, rng) for _ in range(_copies(shape, working_set))]
 
 
@@ -94,7 +94,7 @@ def break_even_of(speedup: Callable[[float], float]) -> float:
     for sparsity in SPARSITY_STEPS:
         gain = speedup(sparsity)
         if gain >= PAYOFF_MARGIN:
-            if before is None or before[1] >= gain:
+            if before is None:
                 return sparsity
             return before[0] + (sparsity - before[0]) * (PAYOFF_MARGIN - before[1]) / (gain - before[1])
         before = (sparsity, gain)

@@ -34,6 +34,14 @@ inline __m256i dpwssd(__m256i sums, __m256i a, __m256i b) {
   return sums;
 }
 
+// sums + the 2 products of int16 a and b per int32 lane: vpdpwssd with VNNI, else madd and an add
+// (the same int32 sums).
+template <bool VNNI>
+inline __m256i add_pair_products(__m256i sums, __m256i a, __m256i b) {
+  if constexpr (VNNI) return dpwssd(sums, a, b);
+  else return _mm256_add_epi32(sums, _mm256_madd_epi16(a, b));
+}
+
 }  // namespace powerinfer::avx2
 POWERINFER_TARGET_END
 #endif

@@ -207,13 +207,8 @@ void output_block_q8(const uint8_t* chunks, const PreparedInput& x, int64_t m0, 
         int16_t two;
         std::memcpy(&two, xq + r * K + b * QK + 2 * p, 2);
         const __m256i xs = _mm256_cvtepi8_epi16(_mm_set1_epi16(two));
-        if constexpr (VNNI) {
-          dot[r][0] = dpwssd(dot[r][0], w0, xs);
-          dot[r][1] = dpwssd(dot[r][1], w1, xs);
-        } else {
-          dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(w0, xs));
-          dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(w1, xs));
-        }
+        dot[r][0] = add_pair_products<VNNI>(dot[r][0], w0, xs);
+        dot[r][1] = add_pair_products<VNNI>(dot[r][1], w1, xs);
       }
     }
     for (int h = 0; h < 2; ++h) {

@@ -322,12 +322,12 @@ Selection SparseInputProjection::select(const float* x, int rows) const {
       sum[r] = choice.sum;
       any |= choice.nonzero;
     }
+    if (any == 0) continue;
     for (uint32_t left = any; left; left &= left - 1) {
       const int c = __builtin_ctz(left);
       s.channel.push_back(static_cast<uint8_t>(c));
       for (int r = 0; r < rows; ++r) s.k.push_back(k[r][c]);
     }
-    if (any == 0) continue;
     s.blocks.push_back(static_cast<int32_t>(b));
     s.start.push_back(static_cast<int32_t>(s.active()));
     s.scale.insert(s.scale.end(), scale, scale + rows);

@@ -82,6 +82,19 @@ struct GroupRuns {
   }
 };
 
+// The group of channels [j, j + G) of a block that a piece kernel reads, and the group it fetches
+// meanwhile: the block's next, or after its last `after`, the next piece's first.
+template <int G>
+struct GroupAndNext {
+  GroupRuns<G> here, next;
+};
+
+template <int G>
+GroupAndNext<G> group_and_next(const RunLayout& l, const uint8_t* block, const Selection& s, int32_t j, int32_t j1,
+                               int64_t c0, int64_t n, const GroupRuns<G>& after) {
+  return {GroupRuns<G>(l, block, s, j, j1, c0, n), j + G < j1 ? GroupRuns<G>(l, block, s, j + G, j1, c0, n) : after};
+}
+
 // Fetches the scales (d, and m where the form has them) of outputs [o, o + n) of a block into the
 // cache: the last group of a piece fetches those its outputs' sums meet next.
 inline void fetch_scales(const RunLayout& l, const uint8_t* block, int64_t o, int64_t n) {
@@ -178,8 +191,7 @@ void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
     for (int64_t o = 0; o < n; o += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(acc + r * chunk + o), init);
   }
   for (int32_t j = j0; j < j1; j += Q4_GROUP) {
-    const GroupRuns<Q4_GROUP> here(l, block, s, j, j1, c0, n);
-    const GroupRuns<Q4_GROUP> next = j + Q4_GROUP < j1 ? GroupRuns<Q4_GROUP>(l, block, s, j + Q4_GROUP, j1, c0, n) : after;
+    const auto [here, next] = group_and_next<Q4_GROUP>(l, block, s, j, j1, c0, n, after);
     const uint8_t* const* w = here.w;
     __m256i k[Q4_GROUP / 2][R];
     pair_ks<Q4_GROUP, R, false>(s, j, j1, k);
@@ -230,8 +242,7 @@ void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
   const auto [block, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   std::fill(acc, acc + R * chunk, 0);
   for (int32_t j = j0; j < j1; j += Q8_GROUP) {
-    const GroupRuns<Q8_GROUP> here(l, block, s, j, j1, c0, n);
-    const GroupRuns<Q8_GROUP> next = j + Q8_GROUP < j1 ? GroupRuns<Q8_GROUP>(l, block, s, j + Q8_GROUP, j1, c0, n) : after;
+    const auto [here, next] = group_and_next<Q8_GROUP>(l, block, s, j, j1, c0, n, after);
     const uint8_t* const* w = here.w;
     alignas(32) __m256i k[P][R];
     pair_ks<Q8_GROUP, R, true>(s, j, j1, k);
@@ -246,17 +257,12 @@ void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
       }
       for (int r = 0; r < R; ++r) {
         __m256i* a = reinterpret_cast<__m256i*>(acc + r * chunk + g);
-        if constexpr (VNNI) {  // straight into the sums
-          for (int h = 0; h < P; ++h) a[0] = dpwssd(a[0], lo[h], k[h][r]), a[1] = dpwssd(a[1], hi[h], k[h][r]);
-        } else {
-          __m256i sum_lo = _mm256_madd_epi16(lo[0], k[0][r]), sum_hi = _mm256_madd_epi16(hi[0], k[0][r]);
-          for (int h = 1; h < P; ++h) {
-            sum_lo = _mm256_add_epi32(sum_lo, _mm256_madd_epi16(lo[h], k[h][r]));
-            sum_hi = _mm256_add_epi32(sum_hi, _mm256_madd_epi16(hi[h], k[h][r]));
-          }
-          a[0] = _mm256_add_epi32(a[0], sum_lo);
-          a[1] = _mm256_add_epi32(a[1], sum_hi);
+        __m256i sum_lo = a[0], sum_hi = a[1];
+        for (int h = 0; h < P; ++h) {
+          sum_lo = add_pair_products<VNNI>(sum_lo, lo[h], k[h][r]);
+          sum_hi = add_pair_products<VNNI>(sum_hi, hi[h], k[h][r]);
         }
+        a[0] = sum_lo, a[1] = sum_hi;
       }
     }
   }
@@ -449,8 +455,7 @@ void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
     for (int64_t o = 0; o < n; o += 32) _mm512_store_si512(acc + r * chunk + o, init);
   }
   for (int32_t j = j0; j < j1; j += Q4_GROUP) {
-    const GroupRuns<Q4_GROUP> here(l, block, s, j, j1, c0, n);
-    const GroupRuns<Q4_GROUP> next = j + Q4_GROUP < j1 ? GroupRuns<Q4_GROUP>(l, block, s, j + Q4_GROUP, j1, c0, n) : after;
+    const auto [here, next] = group_and_next<Q4_GROUP>(l, block, s, j, j1, c0, n, after);
     const uint8_t* const* w = here.w;
     __m512i k[Q4_GROUP / 2][R];
     for (int h = 0; h < Q4_GROUP / 2; ++h)
@@ -492,8 +497,7 @@ void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
   const auto [block, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   std::fill(acc, acc + R * chunk, 0);
   for (int32_t j = j0; j < j1; j += Q8_GROUP) {
-    const GroupRuns<Q8_GROUP> here(l, block, s, j, j1, c0, n);
-    const GroupRuns<Q8_GROUP> next = j + Q8_GROUP < j1 ? GroupRuns<Q8_GROUP>(l, block, s, j + Q8_GROUP, j1, c0, n) : after;
+    const auto [here, next] = group_and_next<Q8_GROUP>(l, block, s, j, j1, c0, n, after);
     const uint8_t* const* w = here.w;
     __m512i k[P][R];
     for (int h = 0; h < P; ++h)
