@@ -4,7 +4,8 @@ against a masked dense product of the rows as the gguf package dequantizes them.
 The kernels round each row's active x to int8 per block of 32 inputs, on the block's largest active
 |x| (as the dense kernels round x); `rounded` does that to the masked x, and the result must then
 equal the product up to float32 rounding (`float32_bound`), and up to what the runs round
-(`runs_bound`): Q4_K's scale products in float16, Q6_K's weights to int8 per 32 inputs. Prefill (more
+(`runs_bound`): Q6_K's weights to int8 per 32 inputs, and Q4_K's scale products in float16 where it
+shares a part with other 4-bit types (alone it keeps its own scales). Prefill (more
 than SPARSE_MAX_ROWS rows) does not round x."""
 
 from __future__ import annotations
@@ -73,9 +74,9 @@ def float32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def runs_bound(x: torch.Tensor, m: RowMatrix, w: torch.Tensor) -> torch.Tensor:
-    """What the runs round. Q4_K: d times sub-block scale (and dmin times minimum) in float16, 2^-11
-    relative. Q6_K: each weight to int8 on its 32 inputs' largest |w| (half a step: 1/254 of it),
-    and that step times d in float16."""
+    """What the runs may round. Q4_K beside other 4-bit types: d times sub-block scale (and dmin times
+    minimum) in float16, 2^-11 relative. Q6_K: each weight to int8 on its 32 inputs' largest |w| (half a
+    step: 1/254 of it), and that step times d in float16."""
     if m.ggml_type == T.Q4_K:
         return 2.0**-10 * (x.abs() @ w.abs().T)
     if m.ggml_type == T.Q6_K:
@@ -84,12 +85,15 @@ def runs_bound(x: torch.Tensor, m: RowMatrix, w: torch.Tensor) -> torch.Tensor:
     return torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
 
 
-def check(layer, matrices, thresholds, x, rounds=True):
+def check(layer, matrices, thresholds, x, rounds=True, exact_scales=False):
+    """The layer's result against the masked product; exact_scales: the runs round no scale."""
     got = layer(x)
     xr = rounded(x, thresholds) if rounds else torch.where(x.abs() > thresholds, x, torch.zeros_like(x)).double()
     weights = [gguf_weight(m) for m in matrices]
     expected = xr @ torch.cat(weights).T
-    bound = float32_bound(xr, torch.cat(weights)) + torch.cat([runs_bound(xr, m, w) for m, w in zip(matrices, weights)], dim=1)
+    bound = float32_bound(xr, torch.cat(weights))
+    if not exact_scales:
+        bound = bound + torch.cat([runs_bound(xr, m, w) for m, w in zip(matrices, weights)], dim=1)
     assert got.dtype == torch.float32 and got.shape == expected.shape
     worst = ((got.double() - expected).abs() / bound).max().item()
     assert worst <= 1.0, f"error {worst:.3g} times the bound"
@@ -228,7 +232,7 @@ def test_the_runs_are_the_only_copy():
     layer = column_linear(matrices, torch.zeros(256))
     assert layer.matrices == []
     rows = sum(m.rows.numel() for m in matrices)
-    assert rows <= layer.nbytes <= rows * 1.25  # Q4_K's 18 bytes per 32 as 20; 596 outputs padded to 640
+    assert rows <= layer.nbytes <= rows * 1.25  # beside Q4_0, Q4_K's 18 bytes per 32 as 20; 596 outputs padded to 640
 
 
 def test_without_the_native_module_the_torch_reference_runs(monkeypatch):
@@ -243,22 +247,42 @@ def test_without_the_native_module_the_torch_reference_runs(monkeypatch):
 
 
 def test_types_without_runs_are_refused():
-    """Q5_K (and the other types without a form) stay by rows, and so do 4-bit and 8-bit forms side by side."""
-    assert runs_take([T.Q4_0, T.Q4_K, T.Q4_1]) and runs_take([T.Q8_0]) and runs_take([T.Q6_K, T.Q8_0])
-    assert not runs_take([T.Q5_K]) and not runs_take([T.Q4_0, T.Q8_0]) and not runs_take([T.Q4_K, T.Q6_K])
+    """Q5_K (and the other types without a form) stay by rows, alone or beside types with one."""
+    assert runs_take([T.Q4_0, T.Q4_K, T.Q4_1]) and runs_take([T.Q8_0]) and runs_take([T.Q4_K, T.Q6_K, T.Q8_0])
+    assert not runs_take([T.Q5_K]) and not runs_take([T.Q4_0, T.Q5_K])
     with pytest.raises(ValueError, match="channel runs take"):
         column_linear([GGUFTensor("w", T.Q5_K, (64, 256), random_blocks(T.Q5_K, 64, 256, np.random.default_rng(0)))],
                       torch.zeros(256))
     with pytest.raises(ValueError, match="no channel-run form"):
-        column_linear([matrix(T.Q4_0, 64, 64, 1), matrix(T.Q8_0, 64, 64, 2)], torch.zeros(64))
+        column_linear([matrix(T.Q4_0, 64, 256, 1), RowMatrix(torch.from_numpy(random_blocks(T.Q5_K, 64, 256, np.random.default_rng(2))), T.Q5_K, 256)],
+                      torch.zeros(256))
 
 
-def test_q6_k_beside_q8_0_takes_the_8_bit_form(each_isa):
-    """A Q4_K_M file's value projection (Q6_K) or a head beside Q8_0 rows: one 8-bit projection."""
-    matrices = [matrix(T.Q6_K, 70, 256, seed=30), matrix(T.Q8_0, 50, 256, seed=31)]
-    x = inputs(3, 256, seed=32)
-    thresholds = thresholds_at(x, 0.5, seed=33)
-    check(column_linear(matrices, thresholds), matrices, thresholds, x)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, SPARSE_MAX_ROWS + 3])
+def test_parts_of_each_form_side_by_side_equal_the_masked_product(rows, each_isa):
+    """A Q4_K_M file's qkv (Q4_K q and k, Q6_K v), and Q8_0 beside them: a Q4_K part and an 8-bit one,
+    one selection, with outputs off the kernels' steps in each; prefill too."""
+    matrices = [matrix(T.Q4_K, 70, 256, seed=30), matrix(T.Q4_K, 60, 256, seed=31), matrix(T.Q6_K, 131, 256, seed=32),
+                matrix(T.Q8_0, 50, 256, seed=33), matrix(T.Q6_K, 40, 256, seed=34)]
+    x = inputs(rows, 256, seed=35)
+    thresholds = thresholds_at(x, 0.5, seed=36)
+    layer = column_linear(matrices, thresholds)
+    check(layer, matrices, thresholds, x, rounds=rows <= SPARSE_MAX_ROWS)
+    # Q4_K (130 outputs padded to 256: 18.5 bytes per 32 weights), 8-bit (131 + 50 + 40 to 256)
+    assert layer.nbytes == 8 * (256 * 37 // 2 + 256 * 34)
+
+
+@pytest.mark.parametrize("rows", [1, 4, SPARSE_MAX_ROWS + 1])
+def test_q4_k_keeps_its_scales(rows, each_isa):
+    """Q4_K's runs keep its 4-bit q and its scales exactly: sc and mn as bytes per output and 32
+    inputs, the float16 D and M per 256 inputs: 18.5 bytes per 32 weights. Decoding, groups of rows
+    and prefill's tiles alike."""
+    m = matrix(T.Q4_K, 200, 512, seed=40)
+    x = inputs(rows, 512, seed=41)
+    thresholds = thresholds_at(x, 0.4, seed=42)
+    layer = column_linear([m], thresholds)
+    assert layer.nbytes == 256 * 512 // 32 * 18.5
+    check(layer, [m], thresholds, x, rounds=rows <= SPARSE_MAX_ROWS, exact_scales=True)
 
 
 def test_bad_shapes_are_refused():

@@ -5,9 +5,10 @@ read. The file keeps its rows; at load the native executor `SparseInputProjectio
 (powerinfer/ops/csrc/sparse_input.h) regroups them into channel runs: per
 block of 32 inputs the block's scales for every output, then each channel's weights for every output,
 contiguous. The matrices of one projection (q, k and v; gate and up) go side by side along the
-outputs, so that a run is long enough that skipping it saves memory traffic. Q4_0, Q4_1, Q4_K and
-Q8_0 rows keep their bits; Q6_K rows (most files' output head) are re-quantized to int8 per 32 inputs,
-the one rounding the runs add; a linear of another type stays by rows (RUN_TYPES).
+outputs, so that a run is long enough that skipping it saves memory traffic; matrices of different
+forms (a Q4_K_M file's Q4_K q and k, its Q6_K v) go in parts that share the selection. Q4_0, Q4_1,
+Q4_K and Q8_0 rows keep their bits; Q6_K rows (most files' output head) are re-quantized to int8 per
+32 inputs, the one rounding the runs add; a linear of another type stays by rows (RUN_TYPES).
 
 Up to `SPARSE_MAX_ROWS` rows read only their active channels' runs (in groups of up to four rows,
 each run of the group's union read once); more rows (prefill) do so too where the linear has many
@@ -36,15 +37,13 @@ from powerinfer.sparse.select import kept
 # is then faster); one with many outputs goes on in groups of rows (sparse_input.cpp says where).
 SPARSE_MAX_ROWS = 32
 
-# The row types that channel runs take: the 4-bit ones together, or the 8-bit form's (sparse_input.h).
-FOUR_BIT_RUN_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
-EIGHT_BIT_RUN_TYPES = frozenset({T.Q8_0, T.Q6_K})  # Q6_K re-quantized to int8 per 32 inputs (sparse_input.h)
-RUN_TYPES = FOUR_BIT_RUN_TYPES | EIGHT_BIT_RUN_TYPES
+# The row types that channel runs take, in any mix (sparse_input.h: their forms).
+RUN_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q6_K})
 
 
 def runs_take(types: Sequence[T]) -> bool:
-    """Whether matrices of these types, side by side, have a channel-run form."""
-    return all(t in FOUR_BIT_RUN_TYPES for t in types) or all(t in EIGHT_BIT_RUN_TYPES for t in types)
+    """Whether matrices of these types, side by side, have channel runs."""
+    return all(t in RUN_TYPES for t in types)
 
 
 @dataclass(frozen=True)

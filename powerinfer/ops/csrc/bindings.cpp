@@ -79,7 +79,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "channel_run_bytes",
       [](const std::vector<int64_t>& types, const std::vector<int64_t>& outputs, int64_t in_features) -> int64_t {
         try {
-          return run_layout(types, outputs, in_features).bytes();
+          return run_bytes(run_parts(types, outputs, in_features));
         } catch (const std::invalid_argument& e) {
           throw py::value_error(e.what());
         }

@@ -21,12 +21,23 @@ namespace {
 // float -> float16 bits, rounded to nearest even (as torch rounds)
 uint16_t half_bits(float v) { return c10::Half(v).x; }
 
-// The weight of output o, channel c of block b, as the form's integer (4-bit: 0..15; Q8: -128..127).
+// The weight of output o, channel c of a block, as the form's integer (4-bit: 0..15; Q8: -128..127).
 int q_at(const RunLayout& l, const uint8_t* block, int64_t c, int64_t o) {
   const uint8_t* run = block + l.run_at(c);
   if (l.form == RunForm::Q8) return static_cast<int8_t>(run[q8_slot(o)]);
   const auto [byte, high] = q4_slot(o);
   return high ? run[byte] >> 4 : run[byte] & 0x0F;
+}
+
+// Puts q (the form's integer: 4-bit 0..15, Q8 -128..127) of output o, channel c.
+void put_q(const RunLayout& l, uint8_t* block, int64_t c, int64_t o, int q) {
+  uint8_t* run = block + l.run_at(c);
+  if (l.form == RunForm::Q8) {
+    run[q8_slot(o)] = static_cast<uint8_t>(q);
+    return;
+  }
+  const auto [byte, high] = q4_slot(o);
+  run[byte] = static_cast<uint8_t>(high ? (run[byte] & 0x0F) | (q << 4) : (run[byte] & 0xF0) | q);
 }
 
 // Q6_K rows (f) in the Q8 form, the one re-quantization of the runs (Q6_K has no form of its own):
@@ -47,60 +58,85 @@ void put_q6_k_as_q8(const BlockFormat& f, const RunLayout& l, const DecodedBlock
     block[l.run_at(c) + q8_slot(o)] = static_cast<uint8_t>(largest ? static_cast<int8_t>(std::nearbyint(v[c] / step)) : 0);
 }
 
+
+// The form that rows of this type take.
+RunForm form_of(const BlockFormat& f) {
+  switch (f.type) {
+    case GgmlType::Q4_0: return RunForm::Q4;
+    case GgmlType::Q4_1: return RunForm::Q4_MIN;
+    case GgmlType::Q4_K: return RunForm::Q4_K;
+    case GgmlType::Q8_0:
+    case GgmlType::Q6_K: return RunForm::Q8;
+    default: throw std::invalid_argument("GGML type " + std::to_string(static_cast<int>(f.type)) + " has no channel-run form");
+  }
+}
+
 }  // namespace
 
-RunLayout run_layout(const std::vector<int64_t>& types, const std::vector<int64_t>& outputs, int64_t in_features) {
+std::vector<RunPart> run_parts(const std::vector<int64_t>& types, const std::vector<int64_t>& outputs, int64_t in_features) {
   if (types.empty() || types.size() != outputs.size()) throw std::invalid_argument("one GGML type and output count per matrix");
   if (in_features <= 0 || in_features % QK) throw std::invalid_argument("input channels must be whole blocks of 32");
-  bool q4 = false, q8 = false, min = false;
-  int64_t out = 0;
+  std::vector<RunPart> parts;
+  int64_t first = 0;
   for (size_t p = 0; p < types.size(); ++p) {
     const BlockFormat& f = block_format(types[p]);
     if (outputs[p] <= 0) throw std::invalid_argument("a matrix needs outputs");
     if (in_features % f.n) throw std::invalid_argument("input channels are not whole blocks of the type");
-    switch (f.type) {
-      case GgmlType::Q4_0: q4 = true; break;
-      case GgmlType::Q4_1:
-      case GgmlType::Q4_K: q4 = min = true; break;
-      case GgmlType::Q8_0:
-      case GgmlType::Q6_K: q8 = true; break;
-      default: throw std::invalid_argument("GGML type " + std::to_string(types[p]) + " has no channel-run form");
+    const RunForm form = form_of(f);
+    RunLayout* last = parts.empty() ? nullptr : &parts.back().layout;
+    // the 4-bit types share a part: of two different 4-bit forms, Q4_MIN (d and m per block)
+    const bool joins = last && (last->form == form || (last->four_bit() && four_bit_form(form)));
+    if (joins) {
+      if (last->form != form) last->form = RunForm::Q4_MIN;
+      last->out_features += outputs[p];
+    } else {
+      parts.push_back({{form, in_features, outputs[p], 0}, 0, first, 0});
     }
-    out += outputs[p];
+    first += outputs[p];
   }
-  if (q4 && q8) throw std::invalid_argument("4-bit and 8-bit matrices do not share a channel-run form");
-  const RunForm form = q8 ? RunForm::Q8 : (min ? RunForm::Q4_MIN : RunForm::Q4);
-  return {form, in_features, out, (out + RUN_GROUP - 1) / RUN_GROUP * RUN_GROUP};
+  int64_t offset = 0, first_padded = 0;
+  for (RunPart& part : parts) {
+    RunLayout& l = part.layout;
+    l.padded = (l.out_features + RUN_GROUP - 1) / RUN_GROUP * RUN_GROUP;
+    part.offset = offset, part.first_padded = first_padded;
+    offset += l.bytes(), first_padded += l.padded;
+  }
+  return parts;
+}
+
+int64_t run_bytes(const std::vector<RunPart>& parts) {
+  int64_t bytes = 0;
+  for (const RunPart& part : parts) bytes += part.layout.bytes();
+  return bytes;
 }
 
 namespace scalar {
 
-void dequantize_block(const RunLayout& l, const uint8_t* block, int64_t o0, float* out, int64_t ld) {
+void dequantize_block(const RunLayout& l, const uint8_t* runs, int64_t b, int64_t o0, float* out, int64_t ld) {
+  const uint8_t* block = runs + b * l.block_bytes();
   for (int64_t o = o0; o < l.out_features; ++o) {
-    const float d = half_to_float(block + l.d_at(o));
-    const float m = l.has_min() ? half_to_float(block + l.m_at(o)) : (l.form == RunForm::Q4 ? -8.0f * d : 0.0f);
+    const auto [d, m] = scales_at(l, runs, b, o);
     for (int64_t c = 0; c < QK; ++c) out[c * ld + o] = d * static_cast<float>(q_at(l, block, c, o)) + m;
   }
 }
 
 void add_runs(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
   std::vector<int32_t> acc(l.padded);
-  const bool centred = l.form != RunForm::Q8;  // 4-bit sums of k (q - 8), as the AVX2 kernel's
   for (int64_t i = i0; i < i1; ++i) {
     const uint8_t* block = runs + s.blocks[i] * l.block_bytes();
     for (int r = 0; r < s.rows; ++r) {
       const float scale = s.scale[i * s.rows + r];
       if (scale == 0.0f) continue;  // nothing of this row here
       const int32_t k_sum = s.k_sum[i * s.rows + r];
-      std::fill(acc.begin(), acc.end(), centred ? -8 * k_sum : 0);
+      std::fill(acc.begin(), acc.end(), l.four_bit() ? -8 * k_sum : 0);  // 4-bit sums of k (q - 8), as the AVX2 kernel's
       for (int32_t j = s.start[i]; j < s.start[i + 1]; ++j)
         for (int64_t o = 0; o < l.padded; ++o) acc[o] += s.k[j * s.rows + r] * q_at(l, block, s.channel[j], o);
       const float rounded_sum = scale * static_cast<float>(k_sum);
       float* yr = y + r * l.padded;
       for (int64_t o = 0; o < l.padded; ++o) {
-        const float d = half_to_float(block + l.d_at(o));
+        const auto [d, m] = scales_at(l, runs, s.blocks[i], o);
         yr[o] = std::fma(static_cast<float>(acc[o]), scale * d, yr[o]);
-        if (l.has_min()) yr[o] = std::fma(rounded_sum, half_to_float(block + l.m_at(o)) + 8.0f * d, yr[o]);
+        if (l.has_min()) yr[o] = std::fma(rounded_sum, m + 8.0f * d, yr[o]);
       }
     }
   }
@@ -157,16 +193,17 @@ SparseInputProjection::SparseInputProjection(const std::vector<torch::Tensor>& r
     outputs.push_back(r.size(0));
   }
   try {
-    layout = run_layout(types, outputs, in_features);
+    parts = run_parts(types, outputs, in_features);
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, e.what());
   }
   TORCH_CHECK(thresholds.dtype() == torch::kFloat32 && thresholds.dim() == 1 && thresholds.is_contiguous() &&
                   thresholds.size(0) == in_features,
               "thresholds must be contiguous float32 [", in_features, "]");
+  const int64_t total = run_bytes(parts);
   TORCH_CHECK(destination.dtype() == torch::kUInt8 && destination.dim() == 1 && destination.is_contiguous() &&
-                  destination.size(0) == layout.bytes(),
-              "the destination of the runs must be contiguous uint8 [", layout.bytes(), "]");
+                  destination.size(0) == total,
+              "the destination of the runs must be contiguous uint8 [", total, "]");
   for (size_t p = 0; p < rows.size(); ++p) {
     const BlockFormat& f = block_format(types[p]);
     TORCH_CHECK(rows[p].size(1) == in_features / f.n * f.bytes, "matrix ", p, ": rows of ", rows[p].size(1),
@@ -174,10 +211,11 @@ SparseInputProjection::SparseInputProjection(const std::vector<torch::Tensor>& r
   }
   runs = std::move(destination);
   runs.zero_();  // the padding outputs
-  const RunLayout l = layout;
-  uint8_t* base = runs.data_ptr<uint8_t>();
   int64_t first = 0;
   for (size_t p = 0; p < rows.size(); ++p) {
+    const RunPart& part = *std::find_if(parts.rbegin(), parts.rend(), [&](const RunPart& q) { return q.first <= first; });
+    const RunLayout l = part.layout;
+    uint8_t* base = runs.data_ptr<uint8_t>() + part.offset;
     const BlockFormat& f = block_format(types[p]);
     const auto source = rows[p].contiguous();
     const uint8_t* src = source.data_ptr<uint8_t>();
@@ -187,7 +225,7 @@ SparseInputProjection::SparseInputProjection(const std::vector<torch::Tensor>& r
       DecodedBlock q;
       for (int64_t fb = fb0; fb < fb1; ++fb) {
         for (int64_t r = 0; r < source.size(0); ++r) {
-          const int64_t o = first + r;
+          const int64_t o = first - part.first + r;
           decode_block(f, src + r * row_bytes + fb * f.bytes, q);
           const float file_d = half_to_float(reinterpret_cast<const uint8_t*>(&q.d));
           const float file_m = half_to_float(reinterpret_cast<const uint8_t*>(&q.dmin));
@@ -197,24 +235,24 @@ SparseInputProjection::SparseInputProjection(const std::vector<torch::Tensor>& r
               put_q6_k_as_q8(f, l, q, sub, file_d, block, o);
               continue;
             }
-            const float d = file_d * (f.sub_scales ? q.sc[sub] : 1);
-            const float m = f.has_min ? file_m * (f.sub_scales ? q.mn[sub] : 1) : -8.0f * d;  // Q4_0 beside m: d q - 8 d
-            const uint16_t dh = f.sub_scales ? half_bits(d) : q.d;  // the file's own bits where unscaled
-            std::memcpy(block + l.d_at(o), &dh, 2);
-            if (l.has_min()) {
-              const uint16_t mh = f.has_min && !f.sub_scales ? q.dmin : half_bits(m);
-              std::memcpy(block + l.m_at(o), &mh, 2);
-            }
-            for (int64_t c = 0; c < QK; ++c) {
-              uint8_t* run = block + l.run_at(c);
-              const int v = q.q[sub * QK + c];
-              if (l.form == RunForm::Q8) {
-                run[q8_slot(o)] = static_cast<uint8_t>(v - 128);
-              } else {
-                const auto [byte, high] = q4_slot(o);
-                run[byte] = static_cast<uint8_t>(high ? (run[byte] & 0x0F) | (v << 4) : (run[byte] & 0xF0) | v);
+            if (l.form == RunForm::Q4_K) {  // the file's own scales: sc and mn per block, D and M per 256
+              block[l.d_at(o)] = static_cast<uint8_t>(q.sc[sub]);
+              block[l.m_at(o)] = q.mn[sub];
+              const int64_t b = fb * per_block + sub;
+              std::memcpy(base + l.table_d_at(b, o), &q.d, 2);
+              std::memcpy(base + l.table_m_at(b, o), &q.dmin, 2);
+            } else {
+              const float d = file_d * (f.sub_scales ? q.sc[sub] : 1);
+              const float m = f.has_min ? file_m * (f.sub_scales ? q.mn[sub] : 1) : -8.0f * d;  // Q4_0 beside m: d q - 8 d
+              const uint16_t dh = f.sub_scales ? half_bits(d) : q.d;  // the file's own bits where unscaled
+              std::memcpy(block + l.d_at(o), &dh, 2);
+              if (l.has_min()) {
+                const uint16_t mh = f.has_min && !f.sub_scales ? q.dmin : half_bits(m);
+                std::memcpy(block + l.m_at(o), &mh, 2);
               }
             }
+            // Q8_0's q is int8 + 128; the 4-bit types' q are the form's integers
+            for (int64_t c = 0; c < QK; ++c) put_q(l, block, c, o, q.q[sub * QK + c] - (l.form == RunForm::Q8 ? 128 : 0));
           }
         }
       }
@@ -227,7 +265,7 @@ SparseInputProjection::SparseInputProjection(const std::vector<torch::Tensor>& r
 torch::Tensor SparseInputProjection::operator()(const torch::Tensor& x) const {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features(), "x must be [rows, ", in_features(), "]");
   const auto xf = x.to(torch::kFloat32).contiguous();
-  if (xf.size(0) > sparse_max_rows && layout.out_features < GROUPED_PREFILL_OUTPUTS) return all_channels(xf);
+  if (xf.size(0) > sparse_max_rows && out_features() < GROUPED_PREFILL_OUTPUTS) return all_channels(xf);
   auto y = torch::empty({xf.size(0), out_features()}, xf.options());
   int64_t selected = 0;
   for (int64_t r = 0; r < xf.size(0); r += MAX_GROUP_ROWS) {
@@ -312,7 +350,7 @@ Selection SparseInputProjection::select(const float* x, int rows) const {
   int8_t k[MAX_GROUP_ROWS][QK];
   float scale[MAX_GROUP_ROWS];
   int32_t sum[MAX_GROUP_ROWS];
-  for (int64_t b = 0; b < layout.blocks(); ++b) {
+  for (int64_t b = 0; b < blocks(); ++b) {
     uint32_t any = 0;  // bit c: channel c is active in some row
     for (int r = 0; r < rows; ++r) {
       const BlockChoice choice = choose_block(x + r * in_features() + b * QK, limit + b * QK, k[r]);
@@ -339,9 +377,10 @@ Selection SparseInputProjection::select(const float* x, int rows) const {
 int64_t SparseInputProjection::sparse_group(const float* x, int rows, float* y) const {
   const Selection s = select(x, rows);
   // Threads take fixed ranges of blocks (not of active channels): a row's sums then do not depend
-  // on the other rows of its group.
-  const int64_t tasks = std::clamp<int64_t>(layout.blocks() / MIN_TASK_BLOCKS, 1, at::get_num_threads());
-  const int64_t stride = rows * layout.padded;
+  // on the other rows of its group. (Splitting the outputs instead, every thread reading half of each
+  // run, decoded the 7B-width Q4_0 file at 50 % 1.45x dense against 1.67x: AMD EPYC, AVX-512, 2 threads.)
+  const int64_t tasks = std::clamp<int64_t>(blocks() / MIN_TASK_BLOCKS, 1, at::get_num_threads());
+  const int64_t stride = rows * padded();  // a task's sums: per part, its rows' padded outputs
   // per task its sums, in a buffer kept between calls: a fresh one per call (hundreds of KB) cost
   // page faults and the kernel's zeroing of new pages, about a tenth of a 7B-width decode step
   thread_local std::vector<float> partial;
@@ -352,19 +391,23 @@ int64_t SparseInputProjection::sparse_group(const float* x, int rows, float* y) 
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const auto first_block = [&](int64_t task) {
-        const int64_t b = layout.blocks() * task / tasks;
+        const int64_t b = blocks() * task / tasks;
         return static_cast<int64_t>(std::lower_bound(s.blocks.begin(), s.blocks.end(), b) - s.blocks.begin());
       };
       std::fill(sums + t * stride, sums + (t + 1) * stride, 0.0f);
-      kernel(layout, base, s, first_block(t), first_block(t + 1), sums + t * stride);
+      for (const RunPart& part : parts)
+        kernel(part.layout, base + part.offset, s, first_block(t), first_block(t + 1), sums + t * stride + rows * part.first_padded);
     }
   });
-  for (int r = 0; r < rows; ++r) {  // the tasks' sums in task order (a loop the compiler vectorizes)
-    float* yr = y + r * out_features();
-    std::copy_n(sums + r * layout.padded, out_features(), yr);
-    for (int64_t t = 1; t < tasks; ++t) {
-      const float* st = sums + t * stride + r * layout.padded;
-      for (int64_t o = 0; o < out_features(); ++o) yr[o] += st[o];
+  for (const RunPart& part : parts) {
+    const int64_t n = part.layout.out_features, at = rows * part.first_padded;
+    for (int r = 0; r < rows; ++r) {  // the tasks' sums in task order (a loop the compiler vectorizes)
+      float* yr = y + r * out_features() + part.first;
+      std::copy_n(sums + at + r * part.layout.padded, n, yr);
+      for (int64_t t = 1; t < tasks; ++t) {
+        const float* st = sums + t * stride + at + r * part.layout.padded;
+        for (int64_t o = 0; o < n; ++o) yr[o] += st[o];
+      }
     }
   }
   return s.above;
@@ -376,16 +419,17 @@ torch::Tensor SparseInputProjection::all_channels(const torch::Tensor& x_all) co
   selected_.store(active.sum().item<int64_t>(), std::memory_order_relaxed);
   const auto x = x_all * active;
   const int64_t out = out_features();
-  const int64_t tile_blocks = std::clamp<int64_t>(TILE_BYTES / (4 * QK * out), 1, layout.blocks());
+  const int64_t tile_blocks = std::clamp<int64_t>(TILE_BYTES / (4 * QK * out), 1, blocks());
   auto y = torch::zeros({x.size(0), out}, x.options());
   auto tile = torch::empty({tile_blocks * QK, out}, x.options());
   const uint8_t* base = runs.data_ptr<uint8_t>();
   const BlockDequantizer dequantize_block = run_kernels().dequantize;
-  for (int64_t b0 = 0; b0 < layout.blocks(); b0 += tile_blocks) {
-    const int64_t n = std::min(tile_blocks, layout.blocks() - b0);
+  for (int64_t b0 = 0; b0 < blocks(); b0 += tile_blocks) {
+    const int64_t n = std::min(tile_blocks, blocks() - b0);
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b)
-        dequantize_block(layout, base + (b0 + b) * layout.block_bytes(), 0, tile.data_ptr<float>() + b * QK * out, out);
+        for (const RunPart& part : parts)
+          dequantize_block(part.layout, base + part.offset, b0 + b, 0, tile.data_ptr<float>() + b * QK * out + part.first, out);
     });
     y.addmm_(x.narrow(1, b0 * QK, n * QK), tile.narrow(0, 0, n * QK));
   }

@@ -1,19 +1,26 @@
 // Input-sparse linear layers (TEAL-style activation sparsity): y = x @ W.T where, per row of x,
 // the input channels with |x_i| <= threshold_i are skipped and their weights never read.
 //
-// Layout ("channel runs"), built at load from the file's own row blocks (re-quantized for Q6_K only):
-// per block of 32 input channels (the row blocks' unit), the block's scales for every output
-// (float16 d, then m where the form has one), then each of the 32 channels' weights for every
-// output, contiguous: a channel's run. A skipped channel is one run never read. Runs must be long:
-// on the CPUs measured, reading half of a memory's 1-2 KB pieces took as long as reading all of it,
-// 4 KB pieces and more took half (the hardware prefetchers fetch whole pages' neighbours); so a run
-// holds all outputs of the projection (q, k and v side by side, gate and up side by side), and the
+// Layout ("channel runs"), built at load from the file's own row blocks, keeping their bits: per
+// block of 32 input channels (the row blocks' unit), the block's scales for every output (float16 d,
+// then m where the form has one), then each of the 32 channels' weights for every output,
+// contiguous: a channel's run. A skipped channel is one run never read. Runs must be long: on the
+// CPUs measured, reading half of a memory's 1-2 KB pieces took as long as reading all of it, 4 KB
+// pieces and more took half (the hardware prefetchers fetch whole pages' neighbours); so a run holds
+// all outputs of the matrices of a part (q, k and v side by side, gate and up side by side), and the
 // threads split the input blocks, not the outputs.
-//   Forms: Q4 (Q4_0 rows: 4-bit q, w = d (q - 8)); Q4_MIN (Q4_1 and Q4_K rows, and Q4_0 beside them:
-//   w = d q + m; Q4_K's d times its sub-block scale and dmin times its minimum rounded to float16);
-//   Q8 (Q8_0 rows: int8 q, w = d q; Q6_K rows re-quantized to it, its two 16-value sub-blocks
-//   per run block rounded to int8 on one scale: its 6 + 2 bits would need a kernel of their own).
+//   Forms: Q4 (Q4_0 rows: 4-bit q, w = d (q - 8)); Q4_K (Q4_K rows: w = D sc q + M mn, the file's own
+//   6-bit sc and mn per output and block as bytes, its float16 D and M per output and 256 inputs in a
+//   table after the blocks: 18.5 bytes per 32 weights against the file's 18); Q4_MIN (Q4_1 rows, and
+//   Q4_0 or Q4_K beside them: w = d q + m, float16 d and m per output and block; Q4_K's D sc and M mn
+//   rounded to float16: 20 bytes per 32 weights);
+//   Q8 (Q8_0 rows: int8 q, w = d q; Q6_K rows re-quantized to it, its two 16-value sub-blocks per run
+//   block rounded to int8 on one scale: 34 bytes per 32 weights against its 26.25. A 6-bit form of
+//   its own, 28 bytes, unpacking its q in the kernel, decoded a 7B-width Q4_0 file (its head Q6_K) at
+//   1.45-1.49x dense against the int8 form's 1.49-1.59x: AMD EPYC, AVX-512, 2 threads, 50 % skipped.)
 //   Q6_K is the type of most files' output head and of Q4_K_M's value and down projections.
+//   A projection's matrices go in parts, one form each: consecutive matrices of one form share a
+//   part (a Q4_K_M file's q and k, then its Q6_K v); all parts take the same selection.
 //   Outputs are padded to a multiple of RUN_GROUP (zero weights). Within a run, each 64 outputs of a
 //   4-bit form are 32 bytes and each 64 outputs of Q8 are 64 bytes, ordered so that the AVX2 kernel's
 //   multiply-adds leave the sums in output order (q4_slot, q8_slot say where output o lies).
@@ -43,7 +50,7 @@
 
 namespace powerinfer {
 
-enum class RunForm : int { Q4 = 0, Q4_MIN = 1, Q8 = 2 };
+enum class RunForm : int { Q4 = 0, Q4_MIN = 1, Q8 = 2, Q4_K = 3 };
 
 // Outputs per step of the kernels (what their registers hold); runs are padded to a multiple.
 constexpr int64_t RUN_GROUP = 128;
@@ -63,25 +70,58 @@ inline int64_t q8_slot(int64_t o) {
   return o / 16 * 16 + (w < 8 ? 2 * w : 2 * (w - 8) + 1);
 }
 
+inline bool four_bit_form(RunForm f) { return f == RunForm::Q4 || f == RunForm::Q4_MIN || f == RunForm::Q4_K; }
+
 struct RunLayout {
   RunForm form;
   int64_t in_features, out_features, padded;
 
   int64_t blocks() const { return in_features / QK; }
-  bool has_min() const { return form == RunForm::Q4_MIN; }
-  int64_t scale_bytes() const { return padded * (has_min() ? 4 : 2); }
-  int64_t run_bytes() const { return form == RunForm::Q8 ? padded : padded / 2; }
+  bool has_min() const { return form == RunForm::Q4_MIN || form == RunForm::Q4_K; }
+  bool four_bit() const { return four_bit_form(form); }
+  int64_t scale_bytes() const { return padded * (form == RunForm::Q4_MIN ? 4 : 2); }
+  int64_t run_bytes() const { return run_byte(padded); }
   int64_t block_bytes() const { return scale_bytes() + QK * run_bytes(); }
-  int64_t bytes() const { return blocks() * block_bytes(); }
-  // within block b (from its start): d of output o, its m, and channel c's run
-  int64_t d_at(int64_t o) const { return 2 * o; }
-  int64_t m_at(int64_t o) const { return 2 * padded + 2 * o; }
+  // Q4_K's table of D and M per 256 inputs (8 blocks), after the blocks
+  int64_t table_bytes() const { return form == RunForm::Q4_K ? in_features / (8 * QK) * 4 * padded : 0; }
+  int64_t bytes() const { return blocks() * block_bytes() + table_bytes(); }
+  // The byte of a run where output o's weights start (o a multiple of RUN_GROUP).
+  int64_t run_byte(int64_t o) const { return form == RunForm::Q8 ? o : o / 2; }
+  // within block b (from its start): d of output o (Q4_K: its sc byte), its m (Q4_K: its mn byte),
+  // channel c's run
+  int64_t d_at(int64_t o) const { return form == RunForm::Q4_K ? o : 2 * o; }
+  int64_t m_at(int64_t o) const { return form == RunForm::Q4_K ? padded + o : 2 * padded + 2 * o; }
+  // Q4_K: from the start of the runs, D of output o for block b, and M
+  int64_t table_d_at(int64_t b, int64_t o) const { return blocks() * block_bytes() + b / 8 * 4 * padded + 2 * o; }
+  int64_t table_m_at(int64_t b, int64_t o) const { return table_d_at(b, o) + 2 * padded; }
   int64_t run_at(int64_t c) const { return scale_bytes() + c * run_bytes(); }
 };
 
-// The layout of these row matrices (GGML types, outputs), side by side; throws std::invalid_argument
-// where a type has no form here (then the layer stays by rows).
-RunLayout run_layout(const std::vector<int64_t>& types, const std::vector<int64_t>& outputs, int64_t in_features);
+// The d and m of output o in block b of a part's runs (w = d q + m; Q4: m = -8 d; Q8: m = 0).
+struct OutputScales {
+  float d, m;
+};
+inline OutputScales scales_at(const RunLayout& l, const uint8_t* runs, int64_t b, int64_t o) {
+  const uint8_t* block = runs + b * l.block_bytes();
+  if (l.form == RunForm::Q4_K)
+    return {half_to_float(runs + l.table_d_at(b, o)) * block[l.d_at(o)], half_to_float(runs + l.table_m_at(b, o)) * block[l.m_at(o)]};
+  const float d = half_to_float(block + l.d_at(o));
+  return {d, l.has_min() ? half_to_float(block + l.m_at(o)) : (l.form == RunForm::Q4 ? -8.0f * d : 0.0f)};
+}
+
+// One form's matrices of a projection: their layout, where its runs start in the projection's runs,
+// its first output, and where its sums start in a row's padded outputs.
+struct RunPart {
+  RunLayout layout;
+  int64_t offset, first, first_padded;
+};
+
+// The parts of these row matrices (GGML types, outputs) side by side: consecutive matrices of one
+// form share a part; throws std::invalid_argument where a type has no form here (then the layer
+// stays by rows).
+std::vector<RunPart> run_parts(const std::vector<int64_t>& types, const std::vector<int64_t>& outputs, int64_t in_features);
+// Bytes of all parts' runs.
+int64_t run_bytes(const std::vector<RunPart>& parts);
 
 // Rows computed together: each run is read once for all of them.
 constexpr int MAX_GROUP_ROWS = 4;
@@ -105,39 +145,41 @@ struct Selection {
 using RunKernel = void (*)(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1,
                            float* y);
 
-// The float32 weights of one block of runs (32 channels) for outputs [o0, out_features):
+// The float32 weights of block b of the runs (32 channels) for outputs [o0, out_features):
 // out[c * ld + o] (the prefill path's tiles).
-using BlockDequantizer = void (*)(const RunLayout& layout, const uint8_t* block, int64_t o0, float* out, int64_t ld);
+using BlockDequantizer = void (*)(const RunLayout& layout, const uint8_t* runs, int64_t b, int64_t o0, float* out, int64_t ld);
 
 namespace scalar {
 void add_runs(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y);
-void dequantize_block(const RunLayout& layout, const uint8_t* block, int64_t o0, float* out, int64_t ld);
+void dequantize_block(const RunLayout& layout, const uint8_t* runs, int64_t b, int64_t o0, float* out, int64_t ld);
 }
 namespace avx2 {
 void add_runs(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y);
-void dequantize_block(const RunLayout& layout, const uint8_t* block, int64_t o0, float* out, int64_t ld);
+void dequantize_block(const RunLayout& layout, const uint8_t* runs, int64_t b, int64_t o0, float* out, int64_t ld);
 }
 namespace avx512 {
 void add_runs(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y);
 }
 
 struct SparseInputProjection : Projection {
-  torch::Tensor runs;        // uint8 [layout.bytes()]
+  torch::Tensor runs;        // uint8 [run_bytes(parts)]
   torch::Tensor thresholds;  // float32 [in]: channel i is active in a row where |x_i| > thresholds[i]
-  RunLayout layout;
+  std::vector<RunPart> parts;
   int64_t sparse_max_rows;  // calls with more rows take the prefill path (sparse_input.cpp says which)
 
   // rows: per matrix, its raw GGML rows uint8 [outputs, row bytes]; types: their GGML types;
   // destination: where the runs go (the caller's memory, e.g. on huge pages), uint8 of
-  // run_layout(...).bytes(); after_matrix, given, is called once each matrix is in the runs (to drop
+  // run_bytes(run_parts(...)); after_matrix, given, is called once each matrix is in the runs (to drop
   // its file pages: a large matrix given as slices of rows then never has both copies whole).
   SparseInputProjection(const std::vector<torch::Tensor>& rows, const std::vector<int64_t>& types, int64_t in_features,
                         torch::Tensor thresholds, int64_t sparse_max_rows, torch::Tensor destination,
                         const std::function<void()>& after_matrix = {});
   torch::Tensor operator()(const torch::Tensor& x) const override;
 
-  int64_t in_features() const { return layout.in_features; }
-  int64_t out_features() const { return layout.out_features; }
+  int64_t in_features() const { return parts.front().layout.in_features; }
+  int64_t out_features() const { return parts.back().first + parts.back().layout.out_features; }
+  int64_t padded() const { return parts.back().first_padded + parts.back().layout.padded; }
+  int64_t blocks() const { return parts.front().layout.blocks(); }
   // (row, channel) pairs the last call selected.
   int64_t last_selected() const { return selected_.load(std::memory_order_relaxed); }
 

@@ -33,12 +33,23 @@ inline void add_scaled(float* y, __m256i lo, __m256i hi, __m256 d_lo, __m256 d_h
   _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(scale, d_hi), _mm256_loadu_ps(y + 8)));
 }
 
-// y[0..16) += (m + 8 d) * rounded_sum, d as float32 (d_lo, d_hi), m float16 at `m`: Q4_MIN's term for
-// what the centred sums left out.
-inline void add_minimum(float* y, __m256 d_lo, __m256 d_hi, const uint8_t* m, __m256 rounded_sum) {
+// y[0..16) += (m + 8 d) * rounded_sum, d and m as float32 (lo, hi: 8 outputs each): the minimum term of
+// the forms with one, for what the centred sums left out.
+inline void add_minimum(float* y, __m256 d_lo, __m256 d_hi, __m256 m_lo, __m256 m_hi, __m256 rounded_sum) {
   const __m256 eight = _mm256_set1_ps(8.0f);
-  _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_fmadd_ps(eight, d_lo, halves(m)), rounded_sum, _mm256_loadu_ps(y)));
-  _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_fmadd_ps(eight, d_hi, halves(m + 16)), rounded_sum, _mm256_loadu_ps(y + 8)));
+  _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_fmadd_ps(eight, d_lo, m_lo), rounded_sum, _mm256_loadu_ps(y)));
+  _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_fmadd_ps(eight, d_hi, m_hi), rounded_sum, _mm256_loadu_ps(y + 8)));
+}
+
+// 8 bytes at p as float32.
+inline __m256 bytes_as_floats(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The d (at d_at) or m (at m_at) of 8 outputs from `at` of a block of 4-bit runs: float16, or Q4_K's
+// byte times the table's float16 there.
+inline __m256 q4_scale(const RunLayout& l, const uint8_t* at, const uint8_t* table_at) {
+  return l.form == RunForm::Q4_K ? _mm256_mul_ps(halves(table_at), bytes_as_floats(at)) : halves(at);
 }
 
 // Sums of the 4-bit kernel, all rows of a chunk: 16 KB of int16, in L1 while each active channel's
@@ -56,9 +67,6 @@ constexpr int64_t Q8_CHUNK = 8192, Q8_SUMS = 16384;
 // the weights, 0.6x).
 constexpr int Q4_GROUP = 4, Q8_GROUP = 8;
 
-// The byte of a run where output o's weights start (o a multiple of 64).
-inline int64_t run_byte(const RunLayout& l, int64_t o) { return l.form == RunForm::Q8 ? o : o / 2; }
-
 // The pieces of channels [j, j + G) of a block's runs that a group reads for outputs [c0, c0 + n)
 // (past j1, channel j's: its k is 0 there).
 template <int G>
@@ -68,8 +76,8 @@ struct GroupRuns {
 
   GroupRuns() = default;
   GroupRuns(const RunLayout& l, const uint8_t* block, const Selection& s, int32_t j, int32_t j1, int64_t c0, int64_t n)
-      : bytes(run_byte(l, n)) {
-    for (int p = 0; p < G; ++p) w[p] = block + l.run_at(s.channel[j + p < j1 ? j + p : j]) + run_byte(l, c0);
+      : bytes(l.run_byte(n)) {
+    for (int p = 0; p < G; ++p) w[p] = block + l.run_at(s.channel[j + p < j1 ? j + p : j]) + l.run_byte(c0);
   }
   // Fetches the pieces' line at byte `at` into the cache. A group fetches the next group's pieces (after
   // its last, the next piece kernel's first) at the byte it reads itself: every run of a block starts a
@@ -95,17 +103,21 @@ GroupAndNext<G> group_and_next(const RunLayout& l, const uint8_t* block, const S
   return {GroupRuns<G>(l, block, s, j, j1, c0, n), j + G < j1 ? GroupRuns<G>(l, block, s, j + G, j1, c0, n) : after};
 }
 
-// Fetches the scales (d, and m where the form has them) of outputs [o, o + n) of a block into the
-// cache: the last group of a piece fetches those its outputs' sums meet next.
-inline void fetch_scales(const RunLayout& l, const uint8_t* block, int64_t o, int64_t n) {
-  prefetch(block + l.d_at(o), 2 * n);
-  if (l.has_min()) prefetch(block + l.m_at(o), 2 * n);
+// Fetches the scales (d, and m where the form has them; Q4_K's bytes and its table's D and M) of outputs
+// [o, o + n) of a block into the cache: the last group of a piece fetches those its outputs' sums meet
+// next.
+inline void fetch_scales(const RunLayout& l, const uint8_t* block, const uint8_t* table, int64_t o, int64_t n) {
+  const int64_t bytes = l.form == RunForm::Q4_K ? n : 2 * n;
+  prefetch(block + l.d_at(o), bytes);
+  if (l.has_min()) prefetch(block + l.m_at(o), bytes);
+  if (l.form == RunForm::Q4_K) prefetch(table + 2 * o, 2 * n), prefetch(table + 2 * l.padded + 2 * o, 2 * n);
 }
 
 // What a piece kernel reads of block i of the selection for outputs [c0, c0 + chunk): the block's
-// bytes, its active channels [j0, j1), the R rows' scales and k sums, and how many outputs it covers.
+// bytes, Q4_K's table for it (its D of output 0; the other forms' kernels do not read it), its active
+// channels [j0, j1), the R rows' scales and k sums, and how many outputs it covers.
 struct BlockPiece {
-  const uint8_t* block;
+  const uint8_t *block, *table;
   int32_t j0, j1;
   const float* scale;
   const int32_t* k_sum;
@@ -115,8 +127,9 @@ struct BlockPiece {
 template <int R>
 inline BlockPiece piece_of(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0,
                            int64_t chunk) {
-  return {runs + s.blocks[i] * l.block_bytes(), s.start[i], s.start[i + 1], &s.scale[i * R], &s.k_sum[i * R],
-          std::min(chunk, l.padded - c0)};
+  const uint8_t* block = runs + s.blocks[i] * l.block_bytes();
+  return {block, l.form == RunForm::Q4_K ? runs + l.table_d_at(s.blocks[i], 0) : block, s.start[i], s.start[i + 1],
+          &s.scale[i * R], &s.k_sum[i * R], std::min(chunk, l.padded - c0)};
 }
 
 // Row r's k of channel c, 0 past j1.
@@ -159,20 +172,22 @@ inline void in_order(__m256i lo, __m256i hi, __m256i q[4]) {
 }
 
 // y[o .. o + 32) += a row's 4-bit sums of those outputs (the int16 vectors at lo, hi: slot order, see
-// in_order) times the block's d and the row's scale, plus Q4_MIN's minimum term.
-inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, int64_t o, const int16_t* lo, const int16_t* hi,
-                           float scale, int32_t k_sum, float* y) {
+// in_order) times the block's d and the row's scale, plus the minimum term of the forms with one.
+inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, const uint8_t* table, int64_t o, const int16_t* lo,
+                           const int16_t* hi, float scale, int32_t k_sum, float* y) {
   const __m256 row_scale = _mm256_set1_ps(scale);
   __m256i q[4];
   in_order(_mm256_load_si256(reinterpret_cast<const __m256i*>(lo)), _mm256_load_si256(reinterpret_cast<const __m256i*>(hi)), q);
   __m256 d[4];  // once for the sums and the minimum term
-  for (int h = 0; h < 4; ++h) d[h] = halves(block + l.d_at(o + 8 * h));
+  for (int h = 0; h < 4; ++h) d[h] = q4_scale(l, block + l.d_at(o + 8 * h), table + 2 * (o + 8 * h));
   add_scaled(y + o, q[0], q[1], d[0], d[1], row_scale);
   add_scaled(y + o + 16, q[2], q[3], d[2], d[3], row_scale);
   if (l.has_min()) {
     const __m256 rounded_sum = _mm256_set1_ps(scale * static_cast<float>(k_sum));
-    add_minimum(y + o, d[0], d[1], block + l.m_at(o), rounded_sum);
-    add_minimum(y + o + 16, d[2], d[3], block + l.m_at(o + 16), rounded_sum);
+    __m256 m[4];
+    for (int h = 0; h < 4; ++h) m[h] = q4_scale(l, block + l.m_at(o + 8 * h), table + 2 * l.padded + 2 * (o + 8 * h));
+    add_minimum(y + o, d[0], d[1], m[0], m[1], rounded_sum);
+    add_minimum(y + o + 16, d[2], d[3], m[2], m[3], rounded_sum);
   }
 }
 
@@ -184,7 +199,7 @@ inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, int64_t o, 
 template <int R>
 void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc) {
-  const auto [block, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
+  const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int r = 0; r < R; ++r) {
     const __m256i init = _mm256_set1_epi16(static_cast<int16_t>(-8 * k_sum[r]));  // wraps: the sums fit int16
@@ -197,7 +212,7 @@ void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
     pair_ks<Q4_GROUP, R, false>(s, j, j1, k);
     for (int64_t g = 0; g < n; g += 64) {
       next.fetch(g / 2);
-      if (j + Q4_GROUP >= j1) fetch_scales(l, block, c0 + g, 64);
+      if (j + Q4_GROUP >= j1) fetch_scales(l, block, table, c0 + g, 64);
       __m256i both[Q4_GROUP / 2][4];
       for (int h = 0; h < Q4_GROUP / 2; ++h) {
         const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[2 * h] + g / 2));
@@ -217,7 +232,8 @@ void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
   }
   for (int r = 0; r < R; ++r) {
     if (scale[r] == 0.0f) continue;  // nothing of this row in the block
-    for (int64_t g = 0; g < n; g += 32) add_q4_outputs(l, block, c0 + g, acc + r * chunk + g, acc + r * chunk + g + 16, scale[r], k_sum[r], y + r * l.padded);
+    for (int64_t g = 0; g < n; g += 32)
+      add_q4_outputs(l, block, table, c0 + g, acc + r * chunk + g, acc + r * chunk + g + 16, scale[r], k_sum[r], y + r * l.padded);
   }
 }
 
@@ -239,7 +255,7 @@ template <int R, bool VNNI = false>
 void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   const GroupRuns<Q8_GROUP>& after, float* y, int32_t* acc) {
   constexpr int P = Q8_GROUP / 2;
-  const auto [block, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
+  const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   std::fill(acc, acc + R * chunk, 0);
   for (int32_t j = j0; j < j1; j += Q8_GROUP) {
     const auto [here, next] = group_and_next<Q8_GROUP>(l, block, s, j, j1, c0, n, after);
@@ -248,7 +264,7 @@ void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
     pair_ks<Q8_GROUP, R, true>(s, j, j1, k);
     for (int64_t g = 0; g < n; g += 16) {
       next.fetch(g);
-      if (j + Q8_GROUP >= j1 && g % 32 == 0) fetch_scales(l, block, c0 + g, 32);
+      if (j + Q8_GROUP >= j1 && g % 32 == 0) fetch_scales(l, block, table, c0 + g, 32);
       __m256i lo[P], hi[P];
       for (int h = 0; h < P; ++h) {
         const __m256i v0 = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(w[2 * h] + g)));
@@ -285,7 +301,9 @@ inline void store_values(float* out, __m256i q, __m256 d, __m256 m) {
 
 }  // namespace
 
-void dequantize_block(const RunLayout& l, const uint8_t* block, int64_t o0, float* out, int64_t ld) {
+void dequantize_block(const RunLayout& l, const uint8_t* runs, int64_t b, int64_t o0, float* out, int64_t ld) {
+  const uint8_t* block = runs + b * l.block_bytes();
+  const uint8_t* table = l.form == RunForm::Q4_K ? runs + l.table_d_at(b, 0) : block;  // read for Q4_K only
   // whole steps of 64 outputs below out_features here, the rest by the scalar path
   const int64_t whole = l.out_features / 64 * 64;
   // each 128-bit lane's bytes reordered: the even ones, then the odd ones (q4_slot, q8_slot)
@@ -296,23 +314,24 @@ void dequantize_block(const RunLayout& l, const uint8_t* block, int64_t o0, floa
   for (int64_t g = o0; g < whole; g += 64) {
     __m256 d[8], m[8];
     for (int r = 0; r < 8; ++r) {
-      d[r] = halves(block + l.d_at(g + 8 * r));
-      m[r] = l.has_min() ? halves(block + l.m_at(g + 8 * r))
+      d[r] = q4_scale(l, block + l.d_at(g + 8 * r), table + 2 * (g + 8 * r));
+      m[r] = l.has_min() ? q4_scale(l, block + l.m_at(g + 8 * r), table + 2 * l.padded + 2 * (g + 8 * r))
                          : (l.form == RunForm::Q4 ? _mm256_mul_ps(eight, d[r]) : _mm256_setzero_ps());
     }
     for (int64_t c = 0; c < QK; ++c) {
       float* row = out + c * ld + g;
+      const uint8_t* run = block + l.run_at(c);
       alignas(32) uint8_t q[64];  // the 64 outputs' integers in output order (Q8: two's complement)
       if (l.form == RunForm::Q8) {
         for (int h = 0; h < 2; ++h) {  // 32 bytes: outputs 32h..32h+31, per 16: evens (j), odds (8 + j)
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + l.run_at(c) + g + 32 * h));
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + g + 32 * h));
           _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * h), _mm256_shuffle_epi8(v, evens_then_odds));
         }
         for (int r = 0; r < 8; ++r)
           store_values(row + 8 * r, _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * r))), d[r], m[r]);
         continue;
       }
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + l.run_at(c) + g / 2));
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + g / 2));
       // low nibbles: even bytes outputs 0..15, odd 16..31; high nibbles: 32.. and 48.. (q4_slot)
       for (int h = 0; h < 2; ++h) {
         const __m256i nibbles = h ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low) : _mm256_and_si256(v, low);
@@ -323,7 +342,7 @@ void dequantize_block(const RunLayout& l, const uint8_t* block, int64_t o0, floa
         store_values(row + 8 * r, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * r))), d[r], m[r]);
     }
   }
-  scalar::dequantize_block(l, block, std::max(o0, whole), out, ld);
+  scalar::dequantize_block(l, runs, b, std::max(o0, whole), out, ld);
 }
 
 namespace {
@@ -381,7 +400,7 @@ void add_q4_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, 
 // R rows' blocks with the form's kernel (Q8 with AVX-VNNI where it is on).
 template <int R>
 void add_form_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
-  if (l.form != RunForm::Q8) return add_q4_blocks<R>(l, runs, s, i0, i1, y);
+  if (l.four_bit()) return add_q4_blocks<R>(l, runs, s, i0, i1, y);
   if (avx_vnni_active()) return add_q8_blocks<R, add_q8_piece<R, true>>(l, runs, s, i0, i1, y);
   add_q8_blocks<R>(l, runs, s, i0, i1, y);
 }
@@ -406,10 +425,18 @@ POWERINFER_TARGET_AVX512
 namespace powerinfer::avx512 {
 namespace {
 
+// The d (at d_at) or m (at m_at) of 16 outputs from `at` of a block of 4-bit runs: float16, or Q4_K's
+// byte times the table's float16 there.
+inline __m512 q4_scale(const RunLayout& l, const uint8_t* at, const uint8_t* table_at) {
+  const __m512 h = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(l.form == RunForm::Q4_K ? table_at : at)));
+  if (l.form != RunForm::Q4_K) return h;
+  return _mm512_mul_ps(h, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)))));
+}
+
 // y[o .. o + 128) += a row's 4-bit sums of those outputs (the four int16 vectors at `sums`, see
-// add_q4_piece) times the block's d and the row's scale, plus Q4_MIN's minimum term.
-inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, int64_t o, const int16_t* sums, float scale,
-                           int32_t k_sum, float* y) {
+// add_q4_piece) times the block's d and the row's scale, plus the minimum term of the forms with one.
+inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, const uint8_t* table, int64_t o, const int16_t* sums,
+                           float scale, int32_t k_sum, float* y) {
   // Vector u holds, per 128-bit lane, int16 pairs of outputs (e, e + 16): lane 0 e = 0..3 (u = 0), 4..7
   // (u = 1), lane 1 8..11, 12..15, lanes 2 and 3 the same + 64; u = 2, 3 the same + 32. Their even
   // and odd halves as int32, vectors u = 0 and 1 side by side, give outputs 0-15 and 64-79 (even), 16-31 and
@@ -429,10 +456,10 @@ inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, int64_t o, 
                                  _mm512_permutex2var_epi32(odd_a, high_half, odd_b)};   // + 80
     for (int v = 0; v < 4; ++v) {
       const int64_t at = o + 16 * u + 16 * (v % 2) + 64 * (v / 2);
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + l.d_at(at))));
+      const __m512 d = q4_scale(l, block + l.d_at(at), table + 2 * at);
       __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(in_order[v]), _mm512_mul_ps(row_scale, d), _mm512_loadu_ps(y + at));
       if (l.has_min()) {
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + l.m_at(at))));
+        const __m512 m = q4_scale(l, block + l.m_at(at), table + 2 * l.padded + 2 * at);
         sum = _mm512_fmadd_ps(_mm512_fmadd_ps(eight, d, m), rounded_sum, sum);
       }
       _mm512_storeu_ps(y + at, sum);
@@ -448,7 +475,7 @@ template <int R>
 void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   const avx2::GroupRuns<avx2::Q4_GROUP>& after, float* y, int16_t* acc) {
   using namespace avx2;
-  const auto [block, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
+  const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int r = 0; r < R; ++r) {
     const __m512i init = _mm512_set1_epi16(static_cast<int16_t>(-8 * k_sum[r]));  // wraps: the sums fit int16
@@ -462,7 +489,7 @@ void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
       for (int r = 0; r < R; ++r) k[h][r] = _mm512_set1_epi16(byte_pair(s, j + 2 * h, j1, r));
     for (int64_t g = 0; g < n; g += 128) {
       next.fetch(g / 2);
-      if (j + Q4_GROUP >= j1) fetch_scales(l, block, c0 + g, 128);
+      if (j + Q4_GROUP >= j1) fetch_scales(l, block, table, c0 + g, 128);
       __m512i both[Q4_GROUP / 2][4];
       for (int h = 0; h < Q4_GROUP / 2; ++h) {
         const __m512i v0 = _mm512_loadu_si512(w[2 * h] + g / 2), v1 = _mm512_loadu_si512(w[2 * h + 1] + g / 2);
@@ -482,7 +509,8 @@ void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
   }
   for (int r = 0; r < R; ++r) {
     if (scale[r] == 0.0f) continue;  // nothing of this row in the block
-    for (int64_t g = 0; g < n; g += 128) add_q4_outputs(l, block, c0 + g, acc + r * chunk + g, scale[r], k_sum[r], y + r * l.padded);
+    for (int64_t g = 0; g < n; g += 128)
+      add_q4_outputs(l, block, table, c0 + g, acc + r * chunk + g, scale[r], k_sum[r], y + r * l.padded);
   }
 }
 
@@ -494,7 +522,7 @@ void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
                   const avx2::GroupRuns<avx2::Q8_GROUP>& after, float* y, int32_t* acc) {
   using namespace avx2;
   constexpr int P = Q8_GROUP / 2;
-  const auto [block, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
+  const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   std::fill(acc, acc + R * chunk, 0);
   for (int32_t j = j0; j < j1; j += Q8_GROUP) {
     const auto [here, next] = group_and_next<Q8_GROUP>(l, block, s, j, j1, c0, n, after);
@@ -504,7 +532,7 @@ void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
       for (int r = 0; r < R; ++r) k[h][r] = _mm512_set1_epi32(wide_pair(s, j + 2 * h, j1, r));
     for (int64_t g = 0; g < n; g += 32) {
       next.fetch(g);
-      if (j + Q8_GROUP >= j1) fetch_scales(l, block, c0 + g, 32);
+      if (j + Q8_GROUP >= j1) fetch_scales(l, block, table, c0 + g, 32);
       __m512i lo[P], hi[P];
       for (int h = 0; h < P; ++h) {
         const __m512i v0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[2 * h] + g)));
@@ -542,17 +570,23 @@ void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
   }
 }
 
+// R rows' blocks with the form's kernel.
+template <int R>
+void add_form_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
+  using avx2::add_q4_blocks, avx2::add_q8_blocks;
+  if (l.four_bit()) return add_q4_blocks<R, add_q4_piece<R>>(l, runs, s, i0, i1, y);
+  add_q8_blocks<R, add_q8_piece<R>>(l, runs, s, i0, i1, y);
+}
+
 }  // namespace
 
 void add_runs(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
   static_assert(MAX_GROUP_ROWS == 4, "one kernel per group size");
-  using avx2::add_q4_blocks, avx2::add_q8_blocks;
-  const bool q8 = l.form == RunForm::Q8;
   switch (s.rows) {
-    case 1: return q8 ? add_q8_blocks<1, add_q8_piece<1>>(l, runs, s, i0, i1, y) : add_q4_blocks<1, add_q4_piece<1>>(l, runs, s, i0, i1, y);
-    case 2: return q8 ? add_q8_blocks<2, add_q8_piece<2>>(l, runs, s, i0, i1, y) : add_q4_blocks<2, add_q4_piece<2>>(l, runs, s, i0, i1, y);
-    case 3: return q8 ? add_q8_blocks<3, add_q8_piece<3>>(l, runs, s, i0, i1, y) : add_q4_blocks<3, add_q4_piece<3>>(l, runs, s, i0, i1, y);
-    default: return q8 ? add_q8_blocks<4, add_q8_piece<4>>(l, runs, s, i0, i1, y) : add_q4_blocks<4, add_q4_piece<4>>(l, runs, s, i0, i1, y);
+    case 1: return add_form_blocks<1>(l, runs, s, i0, i1, y);
+    case 2: return add_form_blocks<2>(l, runs, s, i0, i1, y);
+    case 3: return add_form_blocks<3>(l, runs, s, i0, i1, y);
+    default: return add_form_blocks<4>(l, runs, s, i0, i1, y);
   }
 }
 
