@@ -229,18 +229,19 @@ SparseInputProjection::SparseInputProjection(const std::vector<torch::Tensor>& r
           decode_block(f, src + r * row_bytes + fb * f.bytes, q);
           const float file_d = half_to_float(reinterpret_cast<const uint8_t*>(&q.d));
           const float file_m = half_to_float(reinterpret_cast<const uint8_t*>(&q.dmin));
+          if (l.form == RunForm::Q4_K) {  // the file's own D and M, once per super-block (file block fb)
+            std::memcpy(base + l.table_d_at(fb * per_block, o), &q.d, 2);
+            std::memcpy(base + l.table_m_at(fb * per_block, o), &q.dmin, 2);
+          }
           for (int64_t sub = 0; sub < per_block; ++sub) {  // K-quants: a 32-value sub-block per block of runs
             uint8_t* block = base + (fb * per_block + sub) * l.block_bytes();
             if (f.type == GgmlType::Q6_K) {
               put_q6_k_as_q8(f, l, q, sub, file_d, block, o);
               continue;
             }
-            if (l.form == RunForm::Q4_K) {  // the file's own scales: sc and mn per block, D and M per 256
+            if (l.form == RunForm::Q4_K) {  // the file's own sc and mn per block
               block[l.d_at(o)] = static_cast<uint8_t>(q.sc[sub]);
               block[l.m_at(o)] = q.mn[sub];
-              const int64_t b = fb * per_block + sub;
-              std::memcpy(base + l.table_d_at(b, o), &q.d, 2);
-              std::memcpy(base + l.table_m_at(b, o), &q.dmin, 2);
             } else {
               const float d = file_d * (f.sub_scales ? q.sc[sub] : 1);
               const float m = f.has_min ? file_m * (f.sub_scales ? q.mn[sub] : 1) : -8.0f * d;  // Q4_0 beside m: d q - 8 d

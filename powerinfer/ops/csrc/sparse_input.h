@@ -82,8 +82,8 @@ struct RunLayout {
   int64_t scale_bytes() const { return padded * (form == RunForm::Q4_MIN ? 4 : 2); }
   int64_t run_bytes() const { return run_byte(padded); }
   int64_t block_bytes() const { return scale_bytes() + QK * run_bytes(); }
-  // Q4_K's table of D and M per 256 inputs (8 blocks), after the blocks
-  int64_t table_bytes() const { return form == RunForm::Q4_K ? in_features / (8 * QK) * 4 * padded : 0; }
+  // Q4_K's table of D and M per output and super-block (QK_K inputs), after the blocks
+  int64_t table_bytes() const { return form == RunForm::Q4_K ? in_features / QK_K * 4 * padded : 0; }
   int64_t bytes() const { return blocks() * block_bytes() + table_bytes(); }
   // The byte of a run where output o's weights start (o a multiple of RUN_GROUP).
   int64_t run_byte(int64_t o) const { return form == RunForm::Q8 ? o : o / 2; }
@@ -92,7 +92,7 @@ struct RunLayout {
   int64_t d_at(int64_t o) const { return form == RunForm::Q4_K ? o : 2 * o; }
   int64_t m_at(int64_t o) const { return form == RunForm::Q4_K ? padded + o : 2 * padded + 2 * o; }
   // Q4_K: from the start of the runs, D of output o for block b, and M
-  int64_t table_d_at(int64_t b, int64_t o) const { return blocks() * block_bytes() + b / 8 * 4 * padded + 2 * o; }
+  int64_t table_d_at(int64_t b, int64_t o) const { return blocks() * block_bytes() + b / (QK_K / QK) * 4 * padded + 2 * o; }
   int64_t table_m_at(int64_t b, int64_t o) const { return table_d_at(b, o) + 2 * padded; }
   int64_t run_at(int64_t c) const { return scale_bytes() + c * run_bytes(); }
 };
