@@ -230,8 +230,8 @@ SparseInputProjection::SparseInputProjection(const std::vector<torch::Tensor>& r
           const float file_d = half_to_float(reinterpret_cast<const uint8_t*>(&q.d));
           const float file_m = half_to_float(reinterpret_cast<const uint8_t*>(&q.dmin));
           if (l.form == RunForm::Q4_K) {  // the file's own D and M, once per super-block (file block fb)
-            std::memcpy(base + l.table_d_at(fb * per_block, o), &q.d, 2);
-            std::memcpy(base + l.table_m_at(fb * per_block, o), &q.dmin, 2);
+            std::memcpy(base + l.table_at(fb * per_block) + l.table_d_at(o), &q.d, 2);
+            std::memcpy(base + l.table_at(fb * per_block) + l.table_m_at(o), &q.dmin, 2);
           }
           for (int64_t sub = 0; sub < per_block; ++sub) {  // K-quants: a 32-value sub-block per block of runs
             uint8_t* block = base + (fb * per_block + sub) * l.block_bytes();

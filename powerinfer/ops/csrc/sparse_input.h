@@ -91,11 +91,18 @@ struct RunLayout {
   // channel c's run
   int64_t d_at(int64_t o) const { return form == RunForm::Q4_K ? o : 2 * o; }
   int64_t m_at(int64_t o) const { return form == RunForm::Q4_K ? padded + o : 2 * padded + 2 * o; }
-  // Q4_K: from the start of the runs, D of output o for block b, and M
-  int64_t table_d_at(int64_t b, int64_t o) const { return blocks() * block_bytes() + b / (QK_K / QK) * 4 * padded + 2 * o; }
-  int64_t table_m_at(int64_t b, int64_t o) const { return table_d_at(b, o) + 2 * padded; }
+  // Q4_K: from the start of the runs, the table of block b's super-block; within it D of output o, and M
+  int64_t table_at(int64_t b) const { return blocks() * block_bytes() + b / (QK_K / QK) * 4 * padded; }
+  int64_t table_d_at(int64_t o) const { return 2 * o; }
+  int64_t table_m_at(int64_t o) const { return 2 * padded + 2 * o; }
   int64_t run_at(int64_t c) const { return scale_bytes() + c * run_bytes(); }
 };
+
+// Q4_K's table for block b of a part's runs; for the other forms the block itself (their kernels never
+// read it as a table).
+inline const uint8_t* table_of(const RunLayout& l, const uint8_t* runs, int64_t b) {
+  return runs + (l.form == RunForm::Q4_K ? l.table_at(b) : b * l.block_bytes());
+}
 
 // The d and m of output o in block b of a part's runs (w = d q + m; Q4: m = -8 d; Q8: m = 0).
 struct OutputScales {
@@ -103,8 +110,10 @@ struct OutputScales {
 };
 inline OutputScales scales_at(const RunLayout& l, const uint8_t* runs, int64_t b, int64_t o) {
   const uint8_t* block = runs + b * l.block_bytes();
-  if (l.form == RunForm::Q4_K)
-    return {half_to_float(runs + l.table_d_at(b, o)) * block[l.d_at(o)], half_to_float(runs + l.table_m_at(b, o)) * block[l.m_at(o)]};
+  if (l.form == RunForm::Q4_K) {
+    const uint8_t* table = table_of(l, runs, b);
+    return {half_to_float(table + l.table_d_at(o)) * block[l.d_at(o)], half_to_float(table + l.table_m_at(o)) * block[l.m_at(o)]};
+  }
   const float d = half_to_float(block + l.d_at(o));
   return {d, l.has_min() ? half_to_float(block + l.m_at(o)) : (l.form == RunForm::Q4 ? -8.0f * d : 0.0f)};
 }

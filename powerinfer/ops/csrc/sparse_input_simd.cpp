@@ -110,12 +110,12 @@ inline void fetch_scales(const RunLayout& l, const uint8_t* block, const uint8_t
   const int64_t bytes = l.form == RunForm::Q4_K ? n : 2 * n;
   prefetch(block + l.d_at(o), bytes);
   if (l.has_min()) prefetch(block + l.m_at(o), bytes);
-  if (l.form == RunForm::Q4_K) prefetch(table + 2 * o, 2 * n), prefetch(table + 2 * l.padded + 2 * o, 2 * n);
+  if (l.form == RunForm::Q4_K) prefetch(table + l.table_d_at(o), 2 * n), prefetch(table + l.table_m_at(o), 2 * n);
 }
 
 // What a piece kernel reads of block i of the selection for outputs [c0, c0 + chunk): the block's
-// bytes, Q4_K's table for it (its D of output 0; the other forms' kernels do not read it), its active
-// channels [j0, j1), the R rows' scales and k sums, and how many outputs it covers.
+// bytes, its table (table_of), its active channels [j0, j1), the R rows' scales and k sums, and how many
+// outputs it covers.
 struct BlockPiece {
   const uint8_t *block, *table;
   int32_t j0, j1;
@@ -127,8 +127,7 @@ struct BlockPiece {
 template <int R>
 inline BlockPiece piece_of(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0,
                            int64_t chunk) {
-  const uint8_t* block = runs + s.blocks[i] * l.block_bytes();
-  return {block, l.form == RunForm::Q4_K ? runs + l.table_d_at(s.blocks[i], 0) : block, s.start[i], s.start[i + 1],
+  return {runs + s.blocks[i] * l.block_bytes(), table_of(l, runs, s.blocks[i]), s.start[i], s.start[i + 1],
           &s.scale[i * R], &s.k_sum[i * R], std::min(chunk, l.padded - c0)};
 }
 
@@ -179,13 +178,13 @@ inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, const uint8
   __m256i q[4];
   in_order(_mm256_load_si256(reinterpret_cast<const __m256i*>(lo)), _mm256_load_si256(reinterpret_cast<const __m256i*>(hi)), q);
   __m256 d[4];  // once for the sums and the minimum term
-  for (int h = 0; h < 4; ++h) d[h] = q4_scale(l, block + l.d_at(o + 8 * h), table + 2 * (o + 8 * h));
+  for (int h = 0; h < 4; ++h) d[h] = q4_scale(l, block + l.d_at(o + 8 * h), table + l.table_d_at(o + 8 * h));
   add_scaled(y + o, q[0], q[1], d[0], d[1], row_scale);
   add_scaled(y + o + 16, q[2], q[3], d[2], d[3], row_scale);
   if (l.has_min()) {
     const __m256 rounded_sum = _mm256_set1_ps(scale * static_cast<float>(k_sum));
     __m256 m[4];
-    for (int h = 0; h < 4; ++h) m[h] = q4_scale(l, block + l.m_at(o + 8 * h), table + 2 * l.padded + 2 * (o + 8 * h));
+    for (int h = 0; h < 4; ++h) m[h] = q4_scale(l, block + l.m_at(o + 8 * h), table + l.table_m_at(o + 8 * h));
     add_minimum(y + o, d[0], d[1], m[0], m[1], rounded_sum);
     add_minimum(y + o + 16, d[2], d[3], m[2], m[3], rounded_sum);
   }
@@ -303,7 +302,7 @@ inline void store_values(float* out, __m256i q, __m256 d, __m256 m) {
 
 void dequantize_block(const RunLayout& l, const uint8_t* runs, int64_t b, int64_t o0, float* out, int64_t ld) {
   const uint8_t* block = runs + b * l.block_bytes();
-  const uint8_t* table = l.form == RunForm::Q4_K ? runs + l.table_d_at(b, 0) : block;  // read for Q4_K only
+  const uint8_t* table = table_of(l, runs, b);
   // whole steps of 64 outputs below out_features here, the rest by the scalar path
   const int64_t whole = l.out_features / 64 * 64;
   // each 128-bit lane's bytes reordered: the even ones, then the odd ones (q4_slot, q8_slot)
@@ -314,8 +313,8 @@ void dequantize_block(const RunLayout& l, const uint8_t* runs, int64_t b, int64_
   for (int64_t g = o0; g < whole; g += 64) {
     __m256 d[8], m[8];
     for (int r = 0; r < 8; ++r) {
-      d[r] = q4_scale(l, block + l.d_at(g + 8 * r), table + 2 * (g + 8 * r));
-      m[r] = l.has_min() ? q4_scale(l, block + l.m_at(g + 8 * r), table + 2 * l.padded + 2 * (g + 8 * r))
+      d[r] = q4_scale(l, block + l.d_at(g + 8 * r), table + l.table_d_at(g + 8 * r));
+      m[r] = l.has_min() ? q4_scale(l, block + l.m_at(g + 8 * r), table + l.table_m_at(g + 8 * r))
                          : (l.form == RunForm::Q4 ? _mm256_mul_ps(eight, d[r]) : _mm256_setzero_ps());
     }
     for (int64_t c = 0; c < QK; ++c) {
@@ -456,10 +455,10 @@ inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, const uint8
                                  _mm512_permutex2var_epi32(odd_a, high_half, odd_b)};   // + 80
     for (int v = 0; v < 4; ++v) {
       const int64_t at = o + 16 * u + 16 * (v % 2) + 64 * (v / 2);
-      const __m512 d = q4_scale(l, block + l.d_at(at), table + 2 * at);
+      const __m512 d = q4_scale(l, block + l.d_at(at), table + l.table_d_at(at));
       __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(in_order[v]), _mm512_mul_ps(row_scale, d), _mm512_loadu_ps(y + at));
       if (l.has_min()) {
-        const __m512 m = q4_scale(l, block + l.m_at(at), table + 2 * l.padded + 2 * at);
+        const __m512 m = q4_scale(l, block + l.m_at(at), table + l.table_m_at(at));
         sum = _mm512_fmadd_ps(_mm512_fmadd_ps(eight, d, m), rounded_sum, sum);
       }
       _mm512_storeu_ps(y + at, sum);
