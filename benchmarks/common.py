@@ -235,19 +235,16 @@ def decode_rate(llm, prompt: list[int], n_gen: int) -> float:
 
 
 def linear_bytes_read(llm) -> float:
-    """The block linears' and the output head's bytes that `llm`'s last single-token step read: a
-    column layout's share of its channels (what its last call selected), the other linears whole.
-    (The token embedding's one row and the norms are left out: a few KB.)"""
+    """The block linears' and the output head's bytes that `llm`'s last single-token step read: what a
+    column layout's last call read (its active blocks' scales, its active channels' runs), the other
+    linears whole. (The token embedding's one row and the norms are left out: a few KB.)"""
     from powerinfer.sparse.columns import ColumnLinear
     from powerinfer.sparse.sites import model_sites
 
     total = 0.0
     for site in model_sites(llm.model):  # the head is a site
         linear = site.linear
-        if isinstance(linear, ColumnLinear):
-            total += linear.nbytes * linear.last_selected / linear.in_features
-        else:
-            total += linear.nbytes
+        total += linear.last_bytes_read if isinstance(linear, ColumnLinear) else linear.nbytes
     return total
 
 

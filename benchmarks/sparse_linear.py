@@ -10,8 +10,8 @@ into channel runs at 0 %, 40 %, 50 %, 60 % and 70 % of the input channels skippe
 uniform threshold at that quantile of |x| per row of x). Weights are random blocks (the speed does
 not depend on the values), copies of each linear rotating so that every call reads from memory, as
 in decoding. Times are medians of repeated calls; "ratio" is dense time / sparse time, GB/s the
-bytes a call reads (the dense matrix; the selected channels' runs and the scales of their blocks)
-per second. "block" sums the four linears: the decode-time ratio of a block's weights. Results:
+bytes a call reads (the dense matrix; the selected channels' runs and the scales of their blocks,
+as the layer counts them) per second. "block" sums the four linears: the decode-time ratio of a block's weights. Results:
 benchmarks/results/sparse_linear_<isa>.md.
 """
 
@@ -81,7 +81,6 @@ def main() -> None:
                                               random_blocks(ggml_type, out_features, in_features, rng))]) for _ in range(copies)]
             columns = [random_column_linear(in_features, [(ggml_type, out) for out in outputs], rng)
                        for _ in range(copies)]
-            channel_bytes = columns[0].nbytes / in_features  # a channel's run and its share of the scales
             for rows in args.rows:
                 x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
                 dense_s = median_seconds(dense, x, args.seconds, clock)
@@ -93,8 +92,8 @@ def main() -> None:
                     for layer in columns:
                         layer.thresholds.fill_(level)
                     s = median_seconds(columns, x, args.seconds, clock)
-                    union = int(((x.abs() > level).any(dim=0)).sum())
-                    cells.append(f"{dense_s / s:.2f}x ({union * channel_bytes / s / 1e9:.1f})")
+                    # what a call read (every copy took the same x): the active blocks' scales, the union's runs
+                    cells.append(f"{dense_s / s:.2f}x ({columns[0].last_bytes_read / s / 1e9:.1f})")
                     sums.append(s)
                 block_seconds.setdefault(rows, [0.0] * len(sums))
                 block_seconds[rows] = [a + b for a, b in zip(block_seconds[rows], sums)]
@@ -114,8 +113,8 @@ def main() -> None:
         f"Measured {datetime.date.today()} on {machine}; {isa} kernels, {args.threads} threads, {args.clock} clock; memory read bandwidth "
         f"measured in the same run: {bandwidth:.1f} GB/s. Dense: QuantLinear on the type's rows; sparse: "
         "SparseInputProjection on the same rows regrouped into channel runs; ratio = dense time / sparse time "
-        "(higher: skipping is faster); GB/s: bytes read per second (dense: the matrix; sparse: the union of the "
-        "rows' selected channels, each with its share of the scales). Weights from memory (copies rotate).\n\n"
+        "(higher: skipping is faster); GB/s: bytes read per second (dense: the matrix; sparse: the runs of the union "
+        "of the rows' selected channels and the scales of their blocks). Weights from memory (copies rotate).\n\n"
         + "\n".join(lines) +
         f"\n\nCommand: `.venv/bin/python benchmarks/sparse_linear.py --isa {isa} --threads {args.threads} "
         f"--rows {' '.join(map(str, args.rows))} --types {' '.join(args.types)} --clock {args.clock}`\n")

@@ -73,10 +73,25 @@ def float32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (w.shape[1] + 8) * eps * (x.abs() @ w.abs().T) + 1e-30
 
 
+def q4_0_scales(m: RowMatrix) -> torch.Tensor:
+    """A Q4_0 matrix's d per output and block of 32 inputs (float64 [out, blocks])."""
+    blocks = m.rows.view(m.rows.shape[0], -1, 18)
+    return blocks[:, :, :2].contiguous().view(torch.float16).squeeze(2).double()
+
+
 def runs_bound(x: torch.Tensor, m: RowMatrix, w: torch.Tensor) -> torch.Tensor:
-    """What the runs may round. Q4_K beside other 4-bit types: d times sub-block scale (and dmin times
-    minimum) in float16, 2^-11 relative. Q6_K: each weight to int8 on its 32 inputs' largest |w| (half a
-    step: 1/254 of it), and that step times d in float16."""
+    """What the runs may round. Q4_0: each d to a multiple of its step D (largest |d| of its 256 inputs
+    / 127, in float16: at most 2^-11 over), at most D / 2 off, times |q - 8| <= 8. Q4_K beside other
+    4-bit types: d times sub-block scale (and dmin times minimum) in float16, 2^-11 relative. Q6_K: each
+    weight to int8 on its 32 inputs' largest |w| (half a step: 1/254 of it), and that step times d in
+    float16."""
+    if m.ggml_type == T.Q4_0:
+        d = q4_0_scales(m).abs()
+        blocks = d.shape[1]
+        padded = torch.nn.functional.pad(d, (0, -blocks % 8))
+        step = padded.view(d.shape[0], -1, 8).amax(dim=2).repeat_interleave(8, dim=1)[:, :blocks] / 127
+        per_input = (4 * (1 + 2.0**-10) * step).repeat_interleave(32, dim=1)
+        return x.abs() @ per_input.T
     if m.ggml_type == T.Q4_K:
         return 2.0**-10 * (x.abs() @ w.abs().T)
     if m.ggml_type == T.Q6_K:
@@ -270,6 +285,36 @@ def test_parts_of_each_form_side_by_side_equal_the_masked_product(rows, each_isa
     check(layer, matrices, thresholds, x, rounds=rows <= SPARSE_MAX_ROWS)
     # Q4_K (130 outputs padded to 256: 18.5 bytes per 32 weights), 8-bit (131 + 50 + 40 to 256)
     assert layer.nbytes == 8 * (256 * 37 // 2 + 256 * 34)
+
+
+def test_bytes_read_are_the_active_blocks_scales_and_channels_runs():
+    """A Q4_0 part (200 outputs padded to 256: per block 256 scale bytes, per channel a 128-byte run,
+    per super-block a 512-byte table entry) and a Q8_0 one (100 to 128: 256 and 128 bytes, no table),
+    one row: a block without an active channel is not read; every channel of a call of many rows
+    (prefill's tiles) is."""
+    matrices = [matrix(T.Q4_0, 200, 512, seed=50), matrix(T.Q8_0, 100, 512, seed=51)]
+    x = torch.zeros(1, 512)
+    x[0, [0, 5, 40, 300]] = 1.0  # blocks 0, 1, 9: super-blocks 0 and 1
+    layer = column_linear(matrices, torch.full((512,), 0.5))
+    layer(x)
+    assert layer.last_selected == 4
+    assert layer.last_bytes_read == 3 * (256 + 256) + 4 * (128 + 128) + 2 * 512
+    layer(torch.ones(SPARSE_MAX_ROWS + 1, 512))
+    assert layer.last_bytes_read == layer.nbytes
+
+
+@pytest.mark.parametrize("rows", [1, 4, SPARSE_MAX_ROWS + 1])
+def test_q4_0_scales_are_bytes_on_a_step_per_256_inputs(rows, each_isa):
+    """Q4_0's d go to a signed byte per output and block on a float16 step per output and 256 inputs
+    (the last super-block short: 352 inputs are 11 blocks, 2 steps): 1 + 16 bytes per block and 2 per
+    step, within runs_bound of the file's weights (signs of d mixed, as random_blocks gives them)."""
+    m = matrix(T.Q4_0, 200, 352, seed=47)
+    assert (q4_0_scales(m) < 0).any() and (q4_0_scales(m) > 0).any()
+    x = inputs(rows, 352, seed=48)
+    thresholds = thresholds_at(x, 0.4, seed=49)
+    layer = column_linear([m], thresholds)
+    assert layer.nbytes == 256 * (11 * 17 + 2 * 2)
+    check(layer, [m], thresholds, x, rounds=rows <= SPARSE_MAX_ROWS)
 
 
 @pytest.mark.parametrize("rows", [1, 4, SPARSE_MAX_ROWS + 1])

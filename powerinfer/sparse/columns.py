@@ -6,9 +6,11 @@ read. The file keeps its rows; at load the native executor `SparseInputProjectio
 block of 32 inputs the block's scales for every output, then each channel's weights for every output,
 contiguous. The matrices of one projection (q, k and v; gate and up) go side by side along the
 outputs, so that a run is long enough that skipping it saves memory traffic; matrices of different
-forms (a Q4_K_M file's Q4_K q and k, its Q6_K v) go in parts that share the selection. Q4_0, Q4_1,
-Q4_K and Q8_0 rows keep their bits; Q6_K rows (most files' output head) are re-quantized to int8 per
-32 inputs, the one rounding the runs add; a linear of another type stays by rows (RUN_TYPES).
+forms (a Q4_K_M file's Q4_K q and k, its Q6_K v) go in parts that share the selection. Q4_1, Q4_K
+and Q8_0 rows keep their bits; Q4_0's scales become a signed byte on a float16 step per 256 inputs
+(the scales are read whatever is skipped: bytes read faster), and Q6_K rows (most files' output head)
+are re-quantized to int8 per 32 inputs, the two roundings the runs add (docs/sparsity.md gives
+their cost); a linear of another type stays by rows (RUN_TYPES).
 
 Up to `SPARSE_MAX_ROWS` rows read only their active channels' runs (in groups of up to four rows,
 each run of the group's union read once); more rows (prefill) do so too where the linear has many
@@ -134,6 +136,12 @@ class ColumnLinear(Linear):
     def last_selected(self) -> int | None:
         """(row, channel) pairs the last call computed (None without the native module)."""
         return None if self.projection is None else self.projection.last_selected
+
+    @property
+    def last_bytes_read(self) -> int | None:
+        """Bytes of the runs the last call read: its active blocks' scales and its active channels'
+        runs (None without the native module)."""
+        return None if self.projection is None else self.projection.last_bytes_read
 
     @property
     def nbytes(self) -> int:

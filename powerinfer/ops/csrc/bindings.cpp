@@ -74,7 +74,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("in_features", &SparseInputProjection::in_features)
       .def_property_readonly("out_features", &SparseInputProjection::out_features)
       .def_property_readonly("last_selected", &SparseInputProjection::last_selected,
-                             "(row, channel) pairs the last call computed");
+                             "(row, channel) pairs the last call computed")
+      .def_property_readonly("last_bytes_read", &SparseInputProjection::last_bytes_read,
+                             "bytes of the runs the last call read (its active blocks' scales and channels' runs)");
   m.def(
       "channel_run_bytes",
       [](const std::vector<int64_t>& types, const std::vector<int64_t>& outputs, int64_t in_features) -> int64_t {

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <stdexcept>
 
 #ifdef POWERINFER_X86
@@ -58,6 +59,31 @@ void put_q6_k_as_q8(const BlockFormat& f, const RunLayout& l, const DecodedBlock
     block[l.run_at(c) + q8_slot(o)] = static_cast<uint8_t>(largest ? static_cast<int8_t>(std::nearbyint(v[c] / step)) : 0);
 }
 
+
+// Q4 (Q4_0 rows): per output and super-block (QK_K inputs) the float16 D = largest |d| / 127 of its
+// blocks, into the table of the runs at `base` (`rows` rows of raw Q4_0 blocks f, outputs from `first`).
+void put_q4_table(const BlockFormat& f, const RunLayout& l, uint8_t* base, const uint8_t* src, int64_t row_bytes,
+                  int64_t rows, int64_t first) {
+  constexpr int64_t per_super = QK_K / QK;
+  at::parallel_for(0, l.super_blocks(), 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t sb = s0; sb < s1; ++sb)
+      for (int64_t r = 0; r < rows; ++r) {
+        float largest = 0.0f;
+        for (int64_t b = sb * per_super; b < std::min((sb + 1) * per_super, l.blocks()); ++b)  // a block's d first
+          largest = std::max(largest, std::fabs(half_to_float(src + r * row_bytes + b * f.bytes)));
+        const uint16_t dh = half_bits(largest / 127.0f);
+        std::memcpy(base + l.table_at(sb * per_super) + l.table_d_at(first + r), &dh, 2);
+      }
+  });
+}
+
+// A Q4_0 block's d as the Q4 form's signed byte on its table entry D (d rounded to a multiple of D:
+// at most D / 2 off, D = the super-block's largest |d| / 127).
+uint8_t q4_scale_byte(float d, const uint8_t* table_d) {
+  const float step = half_to_float(table_d);
+  const float units = step > 0.0f ? std::nearbyint(d / step) : 0.0f;
+  return static_cast<uint8_t>(static_cast<int8_t>(std::clamp(units, -127.0f, 127.0f)));
+}
 
 // The form that rows of this type take.
 RunForm form_of(const BlockFormat& f) {
@@ -220,6 +246,7 @@ SparseInputProjection::SparseInputProjection(const std::vector<torch::Tensor>& r
     const auto source = rows[p].contiguous();
     const uint8_t* src = source.data_ptr<uint8_t>();
     const int64_t row_bytes = source.size(1), per_block = f.n / QK;
+    if (l.form == RunForm::Q4) put_q4_table(f, l, base, src, row_bytes, source.size(0), first - part.first);
     // threads split the file's blocks along the inputs: two outputs may share a byte of a run
     at::parallel_for(0, in_features / f.n, 1, [&](int64_t fb0, int64_t fb1) {
       DecodedBlock q;
@@ -242,6 +269,8 @@ SparseInputProjection::SparseInputProjection(const std::vector<torch::Tensor>& r
             if (l.form == RunForm::Q4_K) {  // the file's own sc and mn per block
               block[l.d_at(o)] = static_cast<uint8_t>(q.sc[sub]);
               block[l.m_at(o)] = q.mn[sub];
+            } else if (l.form == RunForm::Q4) {
+              block[l.d_at(o)] = q4_scale_byte(file_d, base + l.table_at(fb) + l.table_d_at(o));
             } else {
               const float d = file_d * (f.sub_scales ? q.sc[sub] : 1);
               const float m = f.has_min ? file_m * (f.sub_scales ? q.mn[sub] : 1) : -8.0f * d;  // Q4_0 beside m: d q - 8 d
@@ -268,12 +297,14 @@ torch::Tensor SparseInputProjection::operator()(const torch::Tensor& x) const {
   const auto xf = x.to(torch::kFloat32).contiguous();
   if (xf.size(0) > sparse_max_rows && out_features() < GROUPED_PREFILL_OUTPUTS) return all_channels(xf);
   auto y = torch::empty({xf.size(0), out_features()}, xf.options());
-  int64_t selected = 0;
+  GroupRead read{0, 0};
   for (int64_t r = 0; r < xf.size(0); r += MAX_GROUP_ROWS) {
     const int rows = static_cast<int>(std::min<int64_t>(MAX_GROUP_ROWS, xf.size(0) - r));
-    selected += sparse_group(xf.data_ptr<float>() + r * in_features(), rows, y.data_ptr<float>() + r * out_features());
+    const GroupRead group = sparse_group(xf.data_ptr<float>() + r * in_features(), rows, y.data_ptr<float>() + r * out_features());
+    read.selected += group.selected, read.bytes += group.bytes;
   }
-  selected_.store(selected, std::memory_order_relaxed);
+  selected_.store(read.selected, std::memory_order_relaxed);
+  bytes_read_.store(read.bytes, std::memory_order_relaxed);
   return y;
 }
 
@@ -289,8 +320,8 @@ struct BlockChoice {
 };
 
 #ifdef POWERINFER_X86
-// SSE2, which every x86-64 CPU has: the selection runs once per row and site, on one thread while the
-// others wait (scalar, it was about 5 % of a 7B-width decode step). _mm_cvtps_epi32 rounds to nearest,
+// SSE2, which every x86-64 CPU has: the selection runs once per row, site and block (scalar, and on one
+// thread while the others waited, it was about 5 % of a 7B-width decode step). _mm_cvtps_epi32 rounds to nearest,
 // ties to even, as std::nearbyint.
 BlockChoice choose_block(const float* x, const float* limit, int8_t* k) {
   const __m128 sign = _mm_set1_ps(-0.0f);
@@ -341,17 +372,17 @@ BlockChoice choose_block(const float* x, const float* limit, int8_t* k) {
 
 }  // namespace
 
-Selection SparseInputProjection::select(const float* x, int rows) const {
+Selection SparseInputProjection::select(const float* x, int rows, int64_t b0, int64_t b1) const {
   const float* limit = thresholds.data_ptr<float>();
   Selection s;
   s.rows = rows;
   s.start.push_back(0);
-  s.channel.reserve(in_features());
-  s.k.reserve(in_features() * rows);
+  s.channel.reserve((b1 - b0) * QK);
+  s.k.reserve((b1 - b0) * QK * rows);
   int8_t k[MAX_GROUP_ROWS][QK];
   float scale[MAX_GROUP_ROWS];
   int32_t sum[MAX_GROUP_ROWS];
-  for (int64_t b = 0; b < blocks(); ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     uint32_t any = 0;  // bit c: channel c is active in some row
     for (int r = 0; r < rows; ++r) {
       const BlockChoice choice = choose_block(x + r * in_features() + b * QK, limit + b * QK, k[r]);
@@ -375,11 +406,23 @@ Selection SparseInputProjection::select(const float* x, int rows) const {
   return s;
 }
 
-int64_t SparseInputProjection::sparse_group(const float* x, int rows, float* y) const {
-  const Selection s = select(x, rows);
+int64_t SparseInputProjection::bytes_read(const Selection& s) const {
+  int64_t bytes = 0, super_blocks = 0;
+  for (size_t i = 0; i < s.blocks.size(); ++i)  // the blocks are in order: count each super-block once
+    super_blocks += i == 0 || s.blocks[i] / (QK_K / QK) != s.blocks[i - 1] / (QK_K / QK);
+  for (const RunPart& part : parts) {
+    const RunLayout& l = part.layout;
+    bytes += static_cast<int64_t>(s.blocks.size()) * l.scale_bytes() + s.active() * l.run_bytes() +
+             super_blocks * l.table_entry_bytes() * l.padded;
+  }
+  return bytes;
+}
+
+SparseInputProjection::GroupRead SparseInputProjection::sparse_group(const float* x, int rows, float* y) const {
   // Threads take fixed ranges of blocks (not of active channels): a row's sums then do not depend
   // on the other rows of its group. (Splitting the outputs instead, every thread reading half of each
   // run, decoded the 7B-width Q4_0 file at 50 % 1.45x dense against 1.67x: AMD EPYC, AVX-512, 2 threads.)
+  // Each selects in its own blocks: none waits while one selects for all.
   const int64_t tasks = std::clamp<int64_t>(blocks() / MIN_TASK_BLOCKS, 1, at::get_num_threads());
   const int64_t stride = rows * padded();  // a task's sums: per part, its rows' padded outputs
   // per task its sums, in a buffer kept between calls: a fresh one per call (hundreds of KB) cost
@@ -387,17 +430,16 @@ int64_t SparseInputProjection::sparse_group(const float* x, int rows, float* y) 
   thread_local std::vector<float> partial;
   if (partial.size() < static_cast<size_t>(tasks * stride)) partial.resize(tasks * stride);
   float* sums = partial.data();
+  std::vector<int64_t> above(tasks, 0), bytes(tasks, 0);
   const uint8_t* base = runs.data_ptr<uint8_t>();
   const RunKernel kernel = run_kernels().add;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const auto first_block = [&](int64_t task) {
-        const int64_t b = blocks() * task / tasks;
-        return static_cast<int64_t>(std::lower_bound(s.blocks.begin(), s.blocks.end(), b) - s.blocks.begin());
-      };
+      const Selection s = select(x, rows, blocks() * t / tasks, blocks() * (t + 1) / tasks);
+      above[t] = s.above, bytes[t] = bytes_read(s);
       std::fill(sums + t * stride, sums + (t + 1) * stride, 0.0f);
       for (const RunPart& part : parts)
-        kernel(part.layout, base + part.offset, s, first_block(t), first_block(t + 1), sums + t * stride + rows * part.first_padded);
+        kernel(part.layout, base + part.offset, s, 0, static_cast<int64_t>(s.blocks.size()), sums + t * stride + rows * part.first_padded);
     }
   });
   for (const RunPart& part : parts) {
@@ -411,13 +453,14 @@ int64_t SparseInputProjection::sparse_group(const float* x, int rows, float* y) 
       }
     }
   }
-  return s.above;
+  return {std::accumulate(above.begin(), above.end(), int64_t{0}), std::accumulate(bytes.begin(), bytes.end(), int64_t{0})};
 }
 
 torch::Tensor SparseInputProjection::all_channels(const torch::Tensor& x_all) const {
   // the rows' own selections, as zeros: a row's result does not depend on the size of its call
   const auto active = x_all.abs() > thresholds;
   selected_.store(active.sum().item<int64_t>(), std::memory_order_relaxed);
+  bytes_read_.store(run_bytes(parts), std::memory_order_relaxed);
   const auto x = x_all * active;
   const int64_t out = out_features();
   const int64_t tile_blocks = std::clamp<int64_t>(TILE_BYTES / (4 * QK * out), 1, blocks());

@@ -41,15 +41,16 @@ inline void add_minimum(float* y, __m256 d_lo, __m256 d_hi, __m256 m_lo, __m256 
   _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_fmadd_ps(eight, d_hi, m_hi), rounded_sum, _mm256_loadu_ps(y + 8)));
 }
 
-// 8 bytes at p as float32.
-inline __m256 bytes_as_floats(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+// 8 bytes at p (Q4: signed, Q4_K: unsigned) as float32.
+inline __m256 bytes_as_floats(const RunLayout& l, const uint8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(l.form == RunForm::Q4 ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
 }
 
-// The d (at d_at) or m (at m_at) of 8 outputs from `at` of a block of 4-bit runs: float16, or Q4_K's
-// byte times the table's float16 there.
+// The d (at d_at) or m (at m_at) of 8 outputs from `at` of a block of 4-bit runs: float16, or the
+// byte there times the table's float16 (byte_scales).
 inline __m256 q4_scale(const RunLayout& l, const uint8_t* at, const uint8_t* table_at) {
-  return l.form == RunForm::Q4_K ? _mm256_mul_ps(halves(table_at), bytes_as_floats(at)) : halves(at);
+  return l.byte_scales() ? _mm256_mul_ps(halves(table_at), bytes_as_floats(l, at)) : halves(at);
 }
 
 // Sums of the 4-bit kernel, all rows of a chunk: 16 KB of int16, in L1 while each active channel's
@@ -103,14 +104,15 @@ GroupAndNext<G> group_and_next(const RunLayout& l, const uint8_t* block, const S
   return {GroupRuns<G>(l, block, s, j, j1, c0, n), j + G < j1 ? GroupRuns<G>(l, block, s, j + G, j1, c0, n) : after};
 }
 
-// Fetches the scales (d, and m where the form has them; Q4_K's bytes and its table's D and M) of outputs
-// [o, o + n) of a block into the cache: the last group of a piece fetches those its outputs' sums meet
-// next.
+// Fetches the scales (d, and m where the form has them; the bytes and the table's D, and M, of the
+// forms with byte_scales) of outputs [o, o + n) of a block into the cache: the last group of a piece
+// fetches those its outputs' sums meet next.
 inline void fetch_scales(const RunLayout& l, const uint8_t* block, const uint8_t* table, int64_t o, int64_t n) {
-  const int64_t bytes = l.form == RunForm::Q4_K ? n : 2 * n;
+  const int64_t bytes = l.byte_scales() ? n : 2 * n;
   prefetch(block + l.d_at(o), bytes);
   if (l.has_min()) prefetch(block + l.m_at(o), bytes);
-  if (l.form == RunForm::Q4_K) prefetch(table + l.table_d_at(o), 2 * n), prefetch(table + l.table_m_at(o), 2 * n);
+  if (l.byte_scales()) prefetch(table + l.table_d_at(o), 2 * n);
+  if (l.form == RunForm::Q4_K) prefetch(table + l.table_m_at(o), 2 * n);
 }
 
 // What a piece kernel reads of block i of the selection for outputs [c0, c0 + chunk): the block's
@@ -424,12 +426,13 @@ POWERINFER_TARGET_AVX512
 namespace powerinfer::avx512 {
 namespace {
 
-// The d (at d_at) or m (at m_at) of 16 outputs from `at` of a block of 4-bit runs: float16, or Q4_K's
-// byte times the table's float16 there.
+// The d (at d_at) or m (at m_at) of 16 outputs from `at` of a block of 4-bit runs: float16, or the
+// byte there (Q4: signed, Q4_K: unsigned) times the table's float16 (byte_scales).
 inline __m512 q4_scale(const RunLayout& l, const uint8_t* at, const uint8_t* table_at) {
-  const __m512 h = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(l.form == RunForm::Q4_K ? table_at : at)));
-  if (l.form != RunForm::Q4_K) return h;
-  return _mm512_mul_ps(h, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)))));
+  const __m512 h = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(l.byte_scales() ? table_at : at)));
+  if (!l.byte_scales()) return h;
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+  return _mm512_mul_ps(h, _mm512_cvtepi32_ps(l.form == RunForm::Q4 ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes)));
 }
 
 // y[o .. o + 128) += a row's 4-bit sums of those outputs (the four int16 vectors at `sums`, see
