@@ -82,7 +82,8 @@ void put_q4_table(const BlockFormat& f, const RunLayout& l, uint8_t* base, const
 uint8_t q4_scale_byte(float d, const uint8_t* table_d) {
   const float step = half_to_float(table_d);
   const float units = step > 0.0f ? std::nearbyint(d / step) : 0.0f;
-  return static_cast<uint8_t>(static_cast<int8_t>(std::clamp(units, -127.0f, 127.0f)));
+  // a file's NaN or infinite d gives 0 (no float-to-int of a NaN)
+  return static_cast<uint8_t>(static_cast<int8_t>(std::isnan(units) ? 0.0f : std::clamp(units, -127.0f, 127.0f)));
 }
 
 // The form that rows of this type take.
