@@ -64,13 +64,16 @@ void put_q6_k_as_q8(const BlockFormat& f, const RunLayout& l, const DecodedBlock
 // blocks, into the table of the runs at `base` (`rows` rows of raw Q4_0 blocks f, outputs from `first`).
 void put_q4_table(const BlockFormat& f, const RunLayout& l, uint8_t* base, const uint8_t* src, int64_t row_bytes,
                   int64_t rows, int64_t first) {
-  constexpr int64_t per_super = QK_K / QK;
+  constexpr int64_t per_super = RunLayout::BLOCKS_PER_SUPER;
   at::parallel_for(0, l.super_blocks(), 1, [&](int64_t s0, int64_t s1) {
+    BlockScales scales;
     for (int64_t sb = s0; sb < s1; ++sb)
       for (int64_t r = 0; r < rows; ++r) {
         float largest = 0.0f;
-        for (int64_t b = sb * per_super; b < std::min((sb + 1) * per_super, l.blocks()); ++b)  // a block's d first
-          largest = std::max(largest, std::fabs(half_to_float(src + r * row_bytes + b * f.bytes)));
+        for (int64_t b = sb * per_super; b < std::min((sb + 1) * per_super, l.blocks()); ++b) {
+          decode_scales(f, src + r * row_bytes + b * f.bytes, scales);
+          largest = std::max(largest, std::fabs(half_to_float(reinterpret_cast<const uint8_t*>(&scales.d))));
+        }
         const uint16_t dh = half_bits(largest / 127.0f);
         std::memcpy(base + l.table_at(sb * per_super) + l.table_d_at(first + r), &dh, 2);
       }
@@ -408,9 +411,10 @@ Selection SparseInputProjection::select(const float* x, int rows, int64_t b0, in
 }
 
 int64_t SparseInputProjection::bytes_read(const Selection& s) const {
+  const RunLayout& first = parts.front().layout;  // all parts share the blocks
   int64_t bytes = 0, super_blocks = 0;
   for (size_t i = 0; i < s.blocks.size(); ++i)  // the blocks are in order: count each super-block once
-    super_blocks += i == 0 || s.blocks[i] / (QK_K / QK) != s.blocks[i - 1] / (QK_K / QK);
+    super_blocks += i == 0 || first.super_block(s.blocks[i]) != first.super_block(s.blocks[i - 1]);
   for (const RunPart& part : parts) {
     const RunLayout& l = part.layout;
     bytes += static_cast<int64_t>(s.blocks.size()) * l.scale_bytes() + s.active() * l.run_bytes() +

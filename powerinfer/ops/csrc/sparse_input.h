@@ -90,7 +90,9 @@ struct RunLayout {
   int64_t run_bytes() const { return run_byte(padded); }
   int64_t block_bytes() const { return scale_bytes() + QK * run_bytes(); }
   // the table's super-blocks (the last may be short: Q4_0 rows need not be whole ones) and bytes
-  int64_t super_blocks() const { return (blocks() + QK_K / QK - 1) / (QK_K / QK); }
+  static constexpr int64_t BLOCKS_PER_SUPER = QK_K / QK;
+  int64_t super_block(int64_t b) const { return b / BLOCKS_PER_SUPER; }
+  int64_t super_blocks() const { return super_block(blocks() + BLOCKS_PER_SUPER - 1); }
   int64_t table_entry_bytes() const { return form == RunForm::Q4_K ? 4 : form == RunForm::Q4 ? 2 : 0; }
   int64_t table_bytes() const { return super_blocks() * table_entry_bytes() * padded; }
   int64_t bytes() const { return blocks() * block_bytes() + table_bytes(); }
@@ -103,7 +105,7 @@ struct RunLayout {
   // byte_scales: from the start of the runs, the table of block b's super-block; within it D of output
   // o, and M (Q4_K)
   int64_t table_at(int64_t b) const {
-    return blocks() * block_bytes() + b / (QK_K / QK) * table_entry_bytes() * padded;
+    return blocks() * block_bytes() + super_block(b) * table_entry_bytes() * padded;
   }
   int64_t table_d_at(int64_t o) const { return 2 * o; }
   int64_t table_m_at(int64_t o) const { return 2 * padded + 2 * o; }
@@ -129,8 +131,7 @@ inline OutputScales scales_at(const RunLayout& l, const uint8_t* runs, int64_t b
     const float d = half_to_float(table + l.table_d_at(o)) * static_cast<int8_t>(block[l.d_at(o)]);
     return {d, -8.0f * d};
   }
-  const float d = half_to_float(block + l.d_at(o));
-  return {d, l.has_min() ? half_to_float(block + l.m_at(o)) : (l.form == RunForm::Q4 ? -8.0f * d : 0.0f)};
+  return {half_to_float(block + l.d_at(o)), l.has_min() ? half_to_float(block + l.m_at(o)) : 0.0f};
 }
 
 // One form's matrices of a projection: their layout, where its runs start in the projection's runs,
