@@ -4,8 +4,9 @@ against a masked dense product of the rows as the gguf package dequantizes them.
 The kernels round each row's active x to int8 per block of 32 inputs, on the block's largest active
 |x| (as the dense kernels round x); `rounded` does that to the masked x, and the result must then
 equal the product up to float32 rounding (`float32_bound`), and up to what the runs round
-(`runs_bound`): Q6_K's weights to int8 per 32 inputs, and Q4_K's scale products in float16 where it
-shares a part with other 4-bit types (alone it keeps its own scales). Prefill (more
+(`runs_bound`): Q4_0's scales to bytes on a step per 256 inputs, and Q4_K's scale products in float16
+where it shares a part with other 4-bit types (alone it keeps its own scales; Q8_0 and Q6_K keep
+theirs). Prefill (more
 than SPARSE_MAX_ROWS rows) does not round x."""
 
 from __future__ import annotations
@@ -82,9 +83,8 @@ def q4_0_scales(m: RowMatrix) -> torch.Tensor:
 def runs_bound(x: torch.Tensor, m: RowMatrix, w: torch.Tensor) -> torch.Tensor:
     """What the runs may round. Q4_0: each d to a multiple of its step D (largest |d| of its 256 inputs
     / 127, in float16: at most 2^-11 over), at most D / 2 off, times |q - 8| <= 8. Q4_K beside other
-    4-bit types: d times sub-block scale (and dmin times minimum) in float16, 2^-11 relative. Q6_K: each
-    weight to int8 on its 32 inputs' largest |w| (half a step: 1/254 of it), and that step times d in
-    float16."""
+    4-bit types: d times sub-block scale (and dmin times minimum) in float16, 2^-11 relative. The others:
+    nothing."""
     if m.ggml_type == T.Q4_0:
         d = q4_0_scales(m).abs()
         blocks = d.shape[1]
@@ -94,9 +94,6 @@ def runs_bound(x: torch.Tensor, m: RowMatrix, w: torch.Tensor) -> torch.Tensor:
         return x.abs() @ per_input.T
     if m.ggml_type == T.Q4_K:
         return 2.0**-10 * (x.abs() @ w.abs().T)
-    if m.ggml_type == T.Q6_K:
-        largest = w.abs().view(w.shape[0], -1, 32).amax(dim=2, keepdim=True).expand(-1, -1, 32).reshape(w.shape)
-        return (1 / 254 + 2.0**-10) * (x.abs() @ largest.T)
     return torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
 
 
@@ -185,7 +182,7 @@ def test_rows_read_together_equal_the_masked_product(ggml_type, rows, each_isa):
 
 
 @pytest.mark.skipif(native.load() is None or not native.load().avx_vnni_detected(), reason="this CPU has no AVX-VNNI")
-@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q6_K])
+@pytest.mark.parametrize("ggml_type", [T.Q8_0])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
 def test_avx_vnni_gives_the_plain_avx2_q8_runs_results_bit_for_bit(ggml_type, rows):
     in_features = 256
@@ -275,16 +272,17 @@ def test_types_without_runs_are_refused():
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, SPARSE_MAX_ROWS + 3])
 def test_parts_of_each_form_side_by_side_equal_the_masked_product(rows, each_isa):
-    """A Q4_K_M file's qkv (Q4_K q and k, Q6_K v), and Q8_0 beside them: a Q4_K part and an 8-bit one,
-    one selection, with outputs off the kernels' steps in each; prefill too."""
+    """A Q4_K_M file's qkv (Q4_K q and k, Q6_K v), and Q8_0 and Q6_K beside them: a Q4_K part, a Q6 one,
+    a Q8 one and a Q6 one, one selection, with outputs off the kernels' steps in each; prefill too."""
     matrices = [matrix(T.Q4_K, 70, 256, seed=30), matrix(T.Q4_K, 60, 256, seed=31), matrix(T.Q6_K, 131, 256, seed=32),
                 matrix(T.Q8_0, 50, 256, seed=33), matrix(T.Q6_K, 40, 256, seed=34)]
     x = inputs(rows, 256, seed=35)
     thresholds = thresholds_at(x, 0.5, seed=36)
     layer = column_linear(matrices, thresholds)
     check(layer, matrices, thresholds, x, rounds=rows <= SPARSE_MAX_ROWS)
-    # Q4_K (130 outputs padded to 256: 18.5 bytes per 32 weights), 8-bit (131 + 50 + 40 to 256)
-    assert layer.nbytes == 8 * (256 * 37 // 2 + 256 * 34)
+    # per block of 32 inputs: Q4_K (130 outputs padded to 256) 18.5 bytes per 32 weights, with its
+    # table; Q6 (131 to 256, then 40 to 128) 26 and 0.25 in its table; Q8 (50 to 128) 34
+    assert layer.nbytes == 8 * (256 * 37 // 2 + 384 * 26 + 128 * 34) + 384 * 2
 
 
 def test_bytes_read_are_the_active_blocks_scales_and_channels_runs():

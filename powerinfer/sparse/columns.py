@@ -6,11 +6,10 @@ read. The file keeps its rows; at load the native executor `SparseInputProjectio
 block of 32 inputs the block's scales for every output, then each channel's weights for every output,
 contiguous. The matrices of one projection (q, k and v; gate and up) go side by side along the
 outputs, so that a run is long enough that skipping it saves memory traffic; matrices of different
-forms (a Q4_K_M file's Q4_K q and k, its Q6_K v) go in parts that share the selection. Q4_1, Q4_K
-and Q8_0 rows keep their bits; Q4_0's scales become a signed byte on a float16 step per 256 inputs
-(the scales are read whatever is skipped: bytes read faster), and Q6_K rows (most files' output head)
-are re-quantized to int8 per 32 inputs, the two roundings the runs add (docs/sparsity.md gives
-their cost); a linear of another type stays by rows (RUN_TYPES).
+forms (a Q4_K_M file's Q4_K q and k, its Q6_K v) go in parts that share the selection. Q4_1, Q4_K,
+Q6_K and Q8_0 rows keep their bits; Q4_0's scales become a signed byte on a float16 step per 256
+inputs (the scales are read whatever is skipped: bytes read faster), the one rounding the runs add
+(docs/sparsity.md gives its cost); a linear of another type stays by rows (RUN_TYPES).
 
 Up to `SPARSE_MAX_ROWS` rows read only their active channels' runs (in groups of up to four rows,
 each run of the group's union read once); more rows (prefill) do so too where the linear has many
@@ -80,7 +79,7 @@ def from_gguf(tensor: GGUFTensor) -> RowMatrix:
 
 def sparse_reference(matrices: Sequence[RowMatrix], thresholds: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """What the native projection computes, in plain torch: the channels above threshold of each row
-    times the dequantized weights, float32 (the file's own Q6_K weights: without the runs' rounding)."""
+    times the dequantized weights, float32 (the file's own Q4_0 scales: without the runs' rounding)."""
     x = x.float()
     x = torch.where(kept(x, thresholds), x, torch.zeros_like(x))
     return x @ torch.cat([m.dequantized() for m in matrices], dim=0).T

@@ -22,41 +22,38 @@ namespace {
 // float -> float16 bits, rounded to nearest even (as torch rounds)
 uint16_t half_bits(float v) { return c10::Half(v).x; }
 
-// The weight of output o, channel c of a block, as the form's integer (4-bit: 0..15; Q8: -128..127).
+// A nibble of a byte: the high one or the low one.
+int nibble(uint8_t byte, bool high) { return high ? byte >> 4 : byte & 0x0F; }
+void put_nibble(uint8_t& byte, bool high, int q) {
+  byte = static_cast<uint8_t>(high ? (byte & 0x0F) | (q << 4) : (byte & 0xF0) | q);
+}
+
+// The weight of output o, channel c of a block, as the form's integer (4-bit: 0..15; Q6: 0..63; Q8:
+// -128..127).
 int q_at(const RunLayout& l, const uint8_t* block, int64_t c, int64_t o) {
   const uint8_t* run = block + l.run_at(c);
   if (l.form == RunForm::Q8) return static_cast<int8_t>(run[q8_slot(o)]);
+  if (l.form == RunForm::Q6) {
+    const Q6Slots at = q6_slots(o);
+    return nibble(run[at.low_byte], at.high_nibble) | ((run[at.top_byte] >> at.top_shift) & 3) << 4;
+  }
   const auto [byte, high] = q4_slot(o);
-  return high ? run[byte] >> 4 : run[byte] & 0x0F;
+  return nibble(run[byte], high);
 }
 
-// Puts q (the form's integer: 4-bit 0..15, Q8 -128..127) of output o, channel c.
+// Puts q (the form's integer, as q_at gives it) of output o, channel c.
 void put_q(const RunLayout& l, uint8_t* block, int64_t c, int64_t o, int q) {
   uint8_t* run = block + l.run_at(c);
   if (l.form == RunForm::Q8) {
     run[q8_slot(o)] = static_cast<uint8_t>(q);
-    return;
+  } else if (l.form == RunForm::Q6) {
+    const Q6Slots at = q6_slots(o);
+    put_nibble(run[at.low_byte], at.high_nibble, q & 0x0F);
+    run[at.top_byte] = static_cast<uint8_t>((run[at.top_byte] & ~(3 << at.top_shift)) | (q >> 4) << at.top_shift);
+  } else {
+    const auto [byte, high] = q4_slot(o);
+    put_nibble(run[byte], high, q);
   }
-  const auto [byte, high] = q4_slot(o);
-  run[byte] = static_cast<uint8_t>(high ? (run[byte] & 0x0F) | (q << 4) : (run[byte] & 0xF0) | q);
-}
-
-// Q6_K rows (f) in the Q8 form, the one re-quantization of the runs (Q6_K has no form of its own):
-// the 32 values sc_j (q - offset) of two 16-value sub-blocks, each with its own scale sc_j, rounded to
-// int8 on their largest magnitude, and d times that step as float16.
-void put_q6_k_as_q8(const BlockFormat& f, const RunLayout& l, const DecodedBlock& q, int64_t sub, float file_d,
-                    uint8_t* block, int64_t o) {
-  int v[QK], largest = 0;
-  for (int64_t c = 0; c < QK; ++c) {
-    const int64_t k = sub * QK + c;
-    v[c] = q.sc[k / f.sub] * (static_cast<int>(q.q[k]) - f.offset);
-    largest = std::max(largest, std::abs(v[c]));
-  }
-  const float step = static_cast<float>(largest) / 127.0f;  // of sc (q - offset) per int8 unit
-  const uint16_t dh = half_bits(file_d * step);
-  std::memcpy(block + l.d_at(o), &dh, 2);
-  for (int64_t c = 0; c < QK; ++c)
-    block[l.run_at(c) + q8_slot(o)] = static_cast<uint8_t>(largest ? static_cast<int8_t>(std::nearbyint(v[c] / step)) : 0);
 }
 
 
@@ -95,8 +92,8 @@ RunForm form_of(const BlockFormat& f) {
     case GgmlType::Q4_0: return RunForm::Q4;
     case GgmlType::Q4_1: return RunForm::Q4_MIN;
     case GgmlType::Q4_K: return RunForm::Q4_K;
-    case GgmlType::Q8_0:
-    case GgmlType::Q6_K: return RunForm::Q8;
+    case GgmlType::Q8_0: return RunForm::Q8;
+    case GgmlType::Q6_K: return RunForm::Q6;
     default: throw std::invalid_argument("GGML type " + std::to_string(static_cast<int>(f.type)) + " has no channel-run form");
   }
 }
@@ -144,10 +141,12 @@ namespace scalar {
 
 void dequantize_block(const RunLayout& l, const uint8_t* runs, int64_t b, int64_t o0, float* out, int64_t ld) {
   const uint8_t* block = runs + b * l.block_bytes();
-  for (int64_t o = o0; o < l.out_features; ++o) {
-    const auto [d, m] = scales_at(l, runs, b, o);
-    for (int64_t c = 0; c < QK; ++c) out[c * ld + o] = d * static_cast<float>(q_at(l, block, c, o)) + m;
-  }
+  for (int64_t o = o0; o < l.out_features; ++o)
+    for (int64_t sub = 0; sub < l.sub_blocks(); ++sub) {
+      const auto [d, m] = scales_at(l, runs, b, o, sub);
+      for (int64_t c = sub * QK / l.sub_blocks(); c < (sub + 1) * QK / l.sub_blocks(); ++c)
+        out[c * ld + o] = d * static_cast<float>(q_at(l, block, c, o)) + m;
+    }
 }
 
 void add_runs(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
@@ -157,16 +156,20 @@ void add_runs(const RunLayout& l, const uint8_t* runs, const Selection& s, int64
     for (int r = 0; r < s.rows; ++r) {
       const float scale = s.scale[i * s.rows + r];
       if (scale == 0.0f) continue;  // nothing of this row here
-      const int32_t k_sum = s.k_sum[i * s.rows + r];
-      std::fill(acc.begin(), acc.end(), l.four_bit() ? -8 * k_sum : 0);  // 4-bit sums of k (q - 8), as the AVX2 kernel's
-      for (int32_t j = s.start[i]; j < s.start[i + 1]; ++j)
-        for (int64_t o = 0; o < l.padded; ++o) acc[o] += s.k[j * s.rows + r] * q_at(l, block, s.channel[j], o);
-      const float rounded_sum = scale * static_cast<float>(k_sum);
-      float* yr = y + r * l.padded;
-      for (int64_t o = 0; o < l.padded; ++o) {
-        const auto [d, m] = scales_at(l, runs, s.blocks[i], o);
-        yr[o] = std::fma(static_cast<float>(acc[o]), scale * d, yr[o]);
-        if (l.has_min()) yr[o] = std::fma(rounded_sum, m + 8.0f * d, yr[o]);
+      for (int64_t sub = 0; sub < l.sub_blocks(); ++sub) {
+        int32_t k_sum = 0;  // of the sub-block's channels (Q6: of a half; else the block's)
+        for (int32_t j = s.start[i]; j < s.start[i + 1]; ++j) k_sum += l.sub_block(s.channel[j]) == sub ? s.k[j * s.rows + r] : 0;
+        std::fill(acc.begin(), acc.end(), -l.q_offset() * k_sum);  // sums of k (q - q_offset), as the SIMD kernels'
+        for (int32_t j = s.start[i]; j < s.start[i + 1]; ++j)
+          if (l.sub_block(s.channel[j]) == sub)
+            for (int64_t o = 0; o < l.padded; ++o) acc[o] += s.k[j * s.rows + r] * q_at(l, block, s.channel[j], o);
+        const float rounded_sum = scale * static_cast<float>(k_sum);
+        float* yr = y + r * l.padded;
+        for (int64_t o = 0; o < l.padded; ++o) {
+          const auto [d, m] = scales_at(l, runs, s.blocks[i], o, sub);
+          yr[o] = std::fma(static_cast<float>(acc[o]), scale * d, yr[o]);
+          if (l.has_min()) yr[o] = std::fma(rounded_sum, m + 8.0f * d, yr[o]);
+        }
       }
     }
   }
@@ -260,17 +263,15 @@ SparseInputProjection::SparseInputProjection(const std::vector<torch::Tensor>& r
           decode_block(f, src + r * row_bytes + fb * f.bytes, q);
           const float file_d = half_to_float(reinterpret_cast<const uint8_t*>(&q.d));
           const float file_m = half_to_float(reinterpret_cast<const uint8_t*>(&q.dmin));
-          if (l.form == RunForm::Q4_K) {  // the file's own D and M, once per super-block (file block fb)
+          if (l.form == RunForm::Q4_K || l.form == RunForm::Q6) {  // the file's own D (and M) once per super-block (file block fb)
             std::memcpy(base + l.table_at(fb * per_block) + l.table_d_at(o), &q.d, 2);
-            std::memcpy(base + l.table_at(fb * per_block) + l.table_m_at(o), &q.dmin, 2);
+            if (l.form == RunForm::Q4_K) std::memcpy(base + l.table_at(fb * per_block) + l.table_m_at(o), &q.dmin, 2);
           }
           for (int64_t sub = 0; sub < per_block; ++sub) {  // K-quants: a 32-value sub-block per block of runs
             uint8_t* block = base + (fb * per_block + sub) * l.block_bytes();
-            if (f.type == GgmlType::Q6_K) {
-              put_q6_k_as_q8(f, l, q, sub, file_d, block, o);
-              continue;
-            }
-            if (l.form == RunForm::Q4_K) {  // the file's own sc and mn per block
+            if (l.form == RunForm::Q6) {  // the file's own sc per 16 inputs
+              for (int64_t h = 0; h < l.sub_blocks(); ++h) block[l.d_at(o, h)] = static_cast<uint8_t>(q.sc[sub * l.sub_blocks() + h]);
+            } else if (l.form == RunForm::Q4_K) {  // the file's own sc and mn per block
               block[l.d_at(o)] = static_cast<uint8_t>(q.sc[sub]);
               block[l.m_at(o)] = q.mn[sub];
             } else if (l.form == RunForm::Q4) {
@@ -285,7 +286,7 @@ SparseInputProjection::SparseInputProjection(const std::vector<torch::Tensor>& r
                 std::memcpy(block + l.m_at(o), &mh, 2);
               }
             }
-            // Q8_0's q is int8 + 128; the 4-bit types' q are the form's integers
+            // Q8_0's q is int8 + 128; the 4-bit types' and Q6_K's q are the form's integers
             for (int64_t c = 0; c < QK; ++c) put_q(l, block, c, o, q.q[sub * QK + c] - (l.form == RunForm::Q8 ? 128 : 0));
           }
         }

@@ -18,16 +18,20 @@
 //   table after the blocks: 18.5 bytes per 32 weights against the file's 18); Q4_MIN (Q4_1 rows, and
 //   Q4_0 or Q4_K beside them: w = d q + m, float16 d and m per output and block; Q4_K's D sc and M mn
 //   rounded to float16: 20 bytes per 32 weights);
-//   Q8 (Q8_0 rows: int8 q, w = d q; Q6_K rows re-quantized to it, its two 16-value sub-blocks per run
-//   block rounded to int8 on one scale: 34 bytes per 32 weights against its 26.25. A 6-bit form of
-//   its own, 28 bytes, unpacking its q in the kernel, decoded a 7B-width Q4_0 file (its head Q6_K) at
-//   1.45-1.49x dense against the int8 form's 1.49-1.59x: AMD EPYC, AVX-512, 2 threads, 50 % skipped.)
-//   Q6_K is the type of most files' output head and of Q4_K_M's value and down projections.
+//   Q8 (Q8_0 rows: int8 q, w = d q);
+//   Q6 (Q6_K rows, their bits: w = D sc (q - 32), 6-bit q as a nibble plane and a 2-bit plane, the
+//   file's int8 sc per 16 inputs as two bytes per output and block, its float16 D per output and 256
+//   inputs in a table after the blocks: 26.25 bytes per 32 weights, as the file. Each plane meets the
+//   rows' k in `maddubs` as the Q4 runs do. Until it, Q6_K rows were re-quantized to the Q8 form, 34
+//   bytes per 32 weights.) Q6_K is the type of most files' output head and of Q4_K_M's value and
+//   down projections.
 //   A projection's matrices go in parts, one form each: consecutive matrices of one form share a
 //   part (a Q4_K_M file's q and k, then its Q6_K v); all parts take the same selection.
 //   Outputs are padded to a multiple of RUN_GROUP (zero weights). Within a run, each 64 outputs of a
 //   4-bit form are 32 bytes and each 64 outputs of Q8 are 64 bytes, ordered so that the AVX2 kernel's
-//   multiply-adds leave the sums in output order (q4_slot, q8_slot say where output o lies).
+//   multiply-adds leave the sums in output order; each 128 outputs of Q6 are 96 bytes, their low
+//   nibbles as a 4-bit run's 64, then their top two bits in 32 (q4_slot, q8_slot, q6_slots say where
+//   output o lies).
 //
 // Arithmetic (as the dense row kernels): x rounded to int8 per block of 32 inputs on the block's
 // largest active |x| (what llama.cpp's Q8 rounding of the masked x gives), the weights' integers
@@ -54,7 +58,7 @@
 
 namespace powerinfer {
 
-enum class RunForm : int { Q4 = 0, Q4_MIN = 1, Q8 = 2, Q4_K = 3 };
+enum class RunForm : int { Q4 = 0, Q4_MIN = 1, Q8 = 2, Q4_K = 3, Q6 = 4 };
 
 // Outputs per step of the kernels (what their registers hold); runs are padded to a multiple.
 constexpr int64_t RUN_GROUP = 128;
@@ -74,6 +78,23 @@ inline int64_t q8_slot(int64_t o) {
   return o / 16 * 16 + (w < 8 ? 2 * w : 2 * (w - 8) + 1);
 }
 
+// Where output o's 6 bits lie in a Q6 run: its low nibble's byte and whether it is the high nibble
+// (a 4-bit run's place, per 128 outputs 96 bytes: 64 of nibbles, then 32 of top bits); the byte of its
+// top two bits and their shift. A 64 outputs' 16 bytes of top bits, broadcast to both 128-bit lanes
+// and shifted right per 64-bit lane by [0, 0, 2, 2] (then [4, 4, 6, 6]) and masked to 2 bits, line up
+// byte by byte with the nibbles' low (then high) halves.
+struct Q6Slots {
+  int64_t low_byte;
+  bool high_nibble;
+  int64_t top_byte;
+  int top_shift;
+};
+inline Q6Slots q6_slots(int64_t o) {
+  const auto [byte, high] = q4_slot(o % 64);  // within the 64 outputs' 32 bytes of nibbles
+  const int64_t unit = o / 128 * 96, half = o % 128 / 64;
+  return {unit + 32 * half + byte, high, unit + 64 + 16 * half + byte % 16, static_cast<int>(2 * (byte >= 16) + 4 * high)};
+}
+
 inline bool four_bit_form(RunForm f) { return f == RunForm::Q4 || f == RunForm::Q4_MIN || f == RunForm::Q4_K; }
 
 struct RunLayout {
@@ -83,9 +104,16 @@ struct RunLayout {
   int64_t blocks() const { return in_features / QK; }
   bool has_min() const { return form == RunForm::Q4_MIN || form == RunForm::Q4_K; }
   bool four_bit() const { return four_bit_form(form); }
-  // Scales as a byte per output and block times a float16 per output and super-block (QK_K inputs)
-  // in a table after the blocks: Q4's signed, Q4_K's unsigned (and its minimums the same way).
-  bool byte_scales() const { return form == RunForm::Q4 || form == RunForm::Q4_K; }
+  // Scales as a byte per output and block (Q6: per sub-block) times a float16 per output and
+  // super-block (QK_K inputs) in a table after the blocks: Q4's and Q6's signed, Q4_K's unsigned (and
+  // its minimums the same way).
+  bool byte_scales() const { return form == RunForm::Q4 || form == RunForm::Q4_K || form == RunForm::Q6; }
+  // Q6_K's scales are per 16 inputs: a block's first and second half (0 elsewhere: one scale)
+  static constexpr int64_t Q6_SUB = 16;
+  int64_t sub_blocks() const { return form == RunForm::Q6 ? QK / Q6_SUB : 1; }
+  int64_t sub_block(int64_t c) const { return c / (QK / sub_blocks()); }
+  // What the integers are centred on: w = d (q - q_offset) for the forms without m (Q8: 0).
+  int q_offset() const { return form == RunForm::Q6 ? 32 : form == RunForm::Q8 ? 0 : 8; }
   int64_t scale_bytes() const { return padded * (form == RunForm::Q4 ? 1 : form == RunForm::Q4_MIN ? 4 : 2); }
   int64_t run_bytes() const { return run_byte(padded); }
   int64_t block_bytes() const { return scale_bytes() + QK * run_bytes(); }
@@ -93,14 +121,14 @@ struct RunLayout {
   static constexpr int64_t BLOCKS_PER_SUPER = QK_K / QK;
   int64_t super_block(int64_t b) const { return b / BLOCKS_PER_SUPER; }
   int64_t super_blocks() const { return super_block(blocks() + BLOCKS_PER_SUPER - 1); }
-  int64_t table_entry_bytes() const { return form == RunForm::Q4_K ? 4 : form == RunForm::Q4 ? 2 : 0; }
+  int64_t table_entry_bytes() const { return form == RunForm::Q4_K ? 4 : byte_scales() ? 2 : 0; }
   int64_t table_bytes() const { return super_blocks() * table_entry_bytes() * padded; }
   int64_t bytes() const { return blocks() * block_bytes() + table_bytes(); }
   // The byte of a run where output o's weights start (o a multiple of RUN_GROUP).
-  int64_t run_byte(int64_t o) const { return form == RunForm::Q8 ? o : o / 2; }
-  // within block b (from its start): d of output o (byte_scales: its byte), its m (Q4_K: its mn byte),
-  // channel c's run
-  int64_t d_at(int64_t o) const { return byte_scales() ? o : 2 * o; }
+  int64_t run_byte(int64_t o) const { return form == RunForm::Q8 ? o : form == RunForm::Q6 ? o / 4 * 3 : o / 2; }
+  // within block b (from its start): d of output o (byte_scales: its byte; Q6: of sub-block sub), its m
+  // (Q4_K: its mn byte), channel c's run
+  int64_t d_at(int64_t o, int64_t sub = 0) const { return byte_scales() ? sub * padded + o : 2 * o; }
   int64_t m_at(int64_t o) const { return form == RunForm::Q4_K ? padded + o : 2 * padded + 2 * o; }
   // byte_scales: from the start of the runs, the table of block b's super-block; within it D of output
   // o, and M (Q4_K)
@@ -118,20 +146,19 @@ inline const uint8_t* table_of(const RunLayout& l, const uint8_t* runs, int64_t 
   return runs + (l.byte_scales() ? l.table_at(b) : b * l.block_bytes());
 }
 
-// The d and m of output o in block b of a part's runs (w = d q + m; Q4: m = -8 d; Q8: m = 0).
+// The d and m of output o in block b (sub-block sub) of a part's runs (w = d q + m; the forms without
+// m: m = -q_offset d).
 struct OutputScales {
   float d, m;
 };
-inline OutputScales scales_at(const RunLayout& l, const uint8_t* runs, int64_t b, int64_t o) {
+inline OutputScales scales_at(const RunLayout& l, const uint8_t* runs, int64_t b, int64_t o, int64_t sub = 0) {
   const uint8_t* block = runs + b * l.block_bytes();
   const uint8_t* table = table_of(l, runs, b);
   if (l.form == RunForm::Q4_K)
     return {half_to_float(table + l.table_d_at(o)) * block[l.d_at(o)], half_to_float(table + l.table_m_at(o)) * block[l.m_at(o)]};
-  if (l.form == RunForm::Q4) {
-    const float d = half_to_float(table + l.table_d_at(o)) * static_cast<int8_t>(block[l.d_at(o)]);
-    return {d, -8.0f * d};
-  }
-  return {half_to_float(block + l.d_at(o)), l.has_min() ? half_to_float(block + l.m_at(o)) : 0.0f};
+  const float d = l.byte_scales() ? half_to_float(table + l.table_d_at(o)) * static_cast<int8_t>(block[l.d_at(o, sub)])
+                                  : half_to_float(block + l.d_at(o));
+  return {d, l.has_min() ? half_to_float(block + l.m_at(o)) : -static_cast<float>(l.q_offset()) * d};
 }
 
 // One form's matrices of a projection: their layout, where its runs start in the projection's runs,

@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 
 #include "avx2_lanes.h"
 
@@ -41,10 +42,10 @@ inline void add_minimum(float* y, __m256 d_lo, __m256 d_hi, __m256 m_lo, __m256 
   _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_fmadd_ps(eight, d_hi, m_hi), rounded_sum, _mm256_loadu_ps(y + 8)));
 }
 
-// 8 bytes at p (Q4: signed, Q4_K: unsigned) as float32.
+// 8 bytes at p (Q4, Q6: signed, Q4_K: unsigned) as float32.
 inline __m256 bytes_as_floats(const RunLayout& l, const uint8_t* p) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(l.form == RunForm::Q4 ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+  return _mm256_cvtepi32_ps(l.form == RunForm::Q4_K ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes));
 }
 
 // The d (at d_at) or m (at m_at) of 8 outputs from `at` of a block of 4-bit runs: float16, or the
@@ -89,6 +90,10 @@ struct GroupRuns {
     if (at % 64 == 0 && at < bytes)
       for (int p = 0; p < G; ++p) prefetch_line<CacheLevel::L1>(w[p] + at);
   }
+  // The lines that start in bytes [from, to) (Q6 reads 96 bytes a step).
+  void fetch_span(int64_t from, int64_t to) const {
+    for (int64_t at = (from + 63) / 64 * 64; at < to; at += 64) fetch(at);
+  }
 };
 
 // The group of channels [j, j + G) of a block that a piece kernel reads, and the group it fetches
@@ -109,7 +114,7 @@ GroupAndNext<G> group_and_next(const RunLayout& l, const uint8_t* block, const S
 // fetches those its outputs' sums meet next.
 inline void fetch_scales(const RunLayout& l, const uint8_t* block, const uint8_t* table, int64_t o, int64_t n) {
   const int64_t bytes = l.byte_scales() ? n : 2 * n;
-  prefetch(block + l.d_at(o), bytes);
+  for (int64_t sub = 0; sub < l.sub_blocks(); ++sub) prefetch(block + l.d_at(o, sub), bytes);
   if (l.has_min()) prefetch(block + l.m_at(o), bytes);
   if (l.byte_scales()) prefetch(table + l.table_d_at(o), 2 * n);
   if (l.form == RunForm::Q4_K) prefetch(table + l.table_m_at(o), 2 * n);
@@ -172,6 +177,35 @@ inline void in_order(__m256i lo, __m256i hi, __m256i q[4]) {
   q[3] = _mm256_permute2x128_si256(lo_odd, hi_odd, 0x31);
 }
 
+// A 4-bit run's vector as its low and its high nibbles.
+inline void split_nibbles(__m256i v, __m256i& lo, __m256i& hi) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+}
+
+// A Q6 run's 16 bytes of top bits of 64 outputs at p as the 2-bit values at the places of the nibbles'
+// low halves (lo) and high halves (hi): q6_slots.
+inline void split_top(const uint8_t* p, __m256i& lo, __m256i& hi) {
+  const __m256i x = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i two_bits = _mm256_set1_epi8(3);
+  lo = _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_setr_epi64x(0, 0, 2, 2)), two_bits);
+  hi = _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_setr_epi64x(4, 4, 6, 6)), two_bits);
+}
+
+// Two channels' values (at the nibbles' low places a, high places b) interleaved byte by byte, channel
+// j's first: the four vectors that `maddubs` meets with a row's [k_j, k_j+1].
+inline void interleave(__m256i a0, __m256i b0, __m256i a1, __m256i b1, __m256i out[4]) {
+  out[0] = _mm256_unpacklo_epi8(a0, a1), out[1] = _mm256_unpackhi_epi8(a0, a1);
+  out[2] = _mm256_unpacklo_epi8(b0, b1), out[3] = _mm256_unpackhi_epi8(b0, b1);
+}
+
+// sums[u] += two pairs' products with a row's k pairs k0, k1 (u = 0..3).
+inline void add_two_pairs(int16_t* sums, const __m256i pair0[4], const __m256i pair1[4], __m256i k0, __m256i k1) {
+  __m256i* a = reinterpret_cast<__m256i*>(sums);
+  for (int u = 0; u < 4; ++u)
+    a[u] = _mm256_add_epi16(a[u], _mm256_add_epi16(_mm256_maddubs_epi16(pair0[u], k0), _mm256_maddubs_epi16(pair1[u], k1)));
+}
+
 // y[o .. o + 32) += a row's 4-bit sums of those outputs (the int16 vectors at lo, hi: slot order, see
 // in_order) times the block's d and the row's scale, plus the minimum term of the forms with one.
 inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, const uint8_t* table, int64_t o, const int16_t* lo,
@@ -201,7 +235,6 @@ template <int R>
 void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc) {
   const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
-  const __m256i low = _mm256_set1_epi8(0x0F);
   for (int r = 0; r < R; ++r) {
     const __m256i init = _mm256_set1_epi16(static_cast<int16_t>(-8 * k_sum[r]));  // wraps: the sums fit int16
     for (int64_t o = 0; o < n; o += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(acc + r * chunk + o), init);
@@ -216,25 +249,117 @@ void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
       if (j + Q4_GROUP >= j1) fetch_scales(l, block, table, c0 + g, 64);
       __m256i both[Q4_GROUP / 2][4];
       for (int h = 0; h < Q4_GROUP / 2; ++h) {
-        const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[2 * h] + g / 2));
-        const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[2 * h + 1] + g / 2));
-        const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-        const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
-        both[h][0] = _mm256_unpacklo_epi8(lo0, lo1), both[h][1] = _mm256_unpackhi_epi8(lo0, lo1);
-        both[h][2] = _mm256_unpacklo_epi8(hi0, hi1), both[h][3] = _mm256_unpackhi_epi8(hi0, hi1);
+        __m256i lo0, hi0, lo1, hi1;
+        split_nibbles(_mm256_load_si256(reinterpret_cast<const __m256i*>(w[2 * h] + g / 2)), lo0, hi0);
+        split_nibbles(_mm256_load_si256(reinterpret_cast<const __m256i*>(w[2 * h + 1] + g / 2)), lo1, hi1);
+        interleave(lo0, hi0, lo1, hi1, both[h]);
       }
-      for (int r = 0; r < R; ++r) {
-        __m256i* a = reinterpret_cast<__m256i*>(acc + r * chunk + g);
-        for (int u = 0; u < 4; ++u)
-          a[u] = _mm256_add_epi16(a[u], _mm256_add_epi16(_mm256_maddubs_epi16(both[0][u], k[0][r]),
-                                                         _mm256_maddubs_epi16(both[1][u], k[1][r])));
-      }
+      for (int r = 0; r < R; ++r) add_two_pairs(acc + r * chunk + g, both[0], both[1], k[0][r], k[1][r]);
     }
   }
   for (int r = 0; r < R; ++r) {
     if (scale[r] == 0.0f) continue;  // nothing of this row in the block
     for (int64_t g = 0; g < n; g += 32)
       add_q4_outputs(l, block, table, c0 + g, acc + r * chunk + g, acc + r * chunk + g + 16, scale[r], k_sum[r], y + r * l.padded);
+  }
+}
+
+// y[o .. o + 32) += a row's Q6 sums of those outputs in sub-block sub: each nibble sum (the int16
+// vectors at nib, nib + 16, slot order as the 4-bit sums: see in_order) plus 16 times its top-bit sum
+// (at top, top + 16), times the sub-block's d and the row's scale.
+inline void add_q6_outputs(const RunLayout& l, const uint8_t* block, const uint8_t* table, int64_t o, int64_t sub,
+                           const int16_t* nib, const int16_t* top, float scale, float* y) {
+  const __m256i* n = reinterpret_cast<const __m256i*>(nib);
+  const __m256i* t2 = reinterpret_cast<const __m256i*>(top);
+  __m256i q[4], t[4];
+  in_order(_mm256_load_si256(n), _mm256_load_si256(n + 1), q);
+  in_order(_mm256_load_si256(t2), _mm256_load_si256(t2 + 1), t);
+  __m256 d[4];
+  for (int h = 0; h < 4; ++h) {
+    q[h] = _mm256_add_epi32(q[h], _mm256_slli_epi32(t[h], 4));
+    d[h] = q4_scale(l, block + l.d_at(o + 8 * h, sub), table + l.table_d_at(o + 8 * h));
+  }
+  const __m256 row_scale = _mm256_set1_ps(scale);
+  add_scaled(y + o, q[0], q[1], d[0], d[1], row_scale);
+  add_scaled(y + o + 16, q[2], q[3], d[2], d[3], row_scale);
+}
+
+// One of a Q6 piece's two sub-blocks (16 channels each, each with its own scale): its active
+// channels [a, b), and what its last group fetches (the second sub-block's first group, after the
+// first; the next piece's after the second).
+struct Q6SubBlock {
+  int32_t a, b;
+  GroupRuns<Q4_GROUP> then;
+};
+
+inline std::array<Q6SubBlock, 2> q6_sub_blocks(const RunLayout& l, const uint8_t* block, const Selection& s, int32_t j0,
+                                               int32_t j1, int64_t c0, int64_t n, const GroupRuns<Q4_GROUP>& after) {
+  int32_t mid = j0;
+  while (mid < j1 && l.sub_block(s.channel[mid]) == 0) ++mid;
+  return {Q6SubBlock{j0, mid, mid < j1 ? GroupRuns<Q4_GROUP>(l, block, s, mid, j1, c0, n) : after}, Q6SubBlock{mid, j1, after}};
+}
+
+// Row r's sum of k over channels [a, b) (a Q6 sub-block's).
+inline int32_t k_sum_of(const Selection& s, int32_t a, int32_t b, int r) {
+  int32_t sum = 0;
+  for (int32_t j = a; j < b; ++j) sum += s.k[j * s.rows + r];
+  return sum;
+}
+
+// Q6 runs, R rows, outputs [c0, c0 + chunk) of block i, as the 4-bit kernel: the nibbles, and in the
+// same pass the top two bits (each 64 outputs' 16 bytes broadcast to both lanes, shifted and masked
+// to line up byte by byte with the nibbles: q6_slots), each plane meeting the rows' k pairs in
+// `maddubs` into int16 sums of its own: the nibbles' from 0 (at most 16 * 15 * 127), the top bits'
+// from -2 k_sum (their k (t - 2), at most 16 * 2 * 127), so that nibbles + 16 top = k (q - 32). One
+// sub-block (16 channels, its own scale) after the other. acc: per row the chunk's nibble sums, then
+// per row its top-bit sums.
+template <int R>
+void add_q6_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
+                  const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc) {
+  const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
+  int16_t* const top_acc = acc + R * chunk;
+  const auto sub_blocks = q6_sub_blocks(l, block, s, j0, j1, c0, n, after);
+  for (int64_t sub = 0; sub < 2; ++sub) {
+    const auto& [a, b, then] = sub_blocks[sub];
+    if (a == b) continue;
+    for (int r = 0; r < R; ++r) {
+      const __m256i init = _mm256_set1_epi16(static_cast<int16_t>(-2 * k_sum_of(s, a, b, r)));
+      for (int64_t o = 0; o < n; o += 16) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(acc + r * chunk + o), _mm256_setzero_si256());
+        _mm256_store_si256(reinterpret_cast<__m256i*>(top_acc + r * chunk + o), init);
+      }
+    }
+    for (int32_t j = a; j < b; j += Q4_GROUP) {
+      const auto [here, next] = group_and_next<Q4_GROUP>(l, block, s, j, b, c0, n, then);
+      const uint8_t* const* w = here.w;
+      __m256i k[Q4_GROUP / 2][R];
+      pair_ks<Q4_GROUP, R, false>(s, j, b, k);
+      for (int64_t g = 0; g < n; g += 64) {
+        const int64_t unit = g / 128 * 96, half = g % 128 / 64;
+        if (half == 0) next.fetch_span(unit, unit + 96);
+        if (j + Q4_GROUP >= b) fetch_scales(l, block, table, c0 + g, 64);
+        __m256i nib[Q4_GROUP / 2][4], top[Q4_GROUP / 2][4];
+        for (int h = 0; h < Q4_GROUP / 2; ++h) {
+          const uint8_t *w0 = w[2 * h] + unit, *w1 = w[2 * h + 1] + unit;
+          __m256i lo0, hi0, lo1, hi1;
+          split_nibbles(_mm256_load_si256(reinterpret_cast<const __m256i*>(w0 + 32 * half)), lo0, hi0);
+          split_nibbles(_mm256_load_si256(reinterpret_cast<const __m256i*>(w1 + 32 * half)), lo1, hi1);
+          interleave(lo0, hi0, lo1, hi1, nib[h]);
+          split_top(w0 + 64 + 16 * half, lo0, hi0);
+          split_top(w1 + 64 + 16 * half, lo1, hi1);
+          interleave(lo0, hi0, lo1, hi1, top[h]);
+        }
+        for (int r = 0; r < R; ++r) {
+          add_two_pairs(acc + r * chunk + g, nib[0], nib[1], k[0][r], k[1][r]);
+          add_two_pairs(top_acc + r * chunk + g, top[0], top[1], k[0][r], k[1][r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      if (scale[r] == 0.0f) continue;  // nothing of this row in the block
+      for (int64_t g = 0; g < n; g += 32)
+        add_q6_outputs(l, block, table, c0 + g, sub, acc + r * chunk + g, top_acc + r * chunk + g, scale[r], y + r * l.padded);
+    }
   }
 }
 
@@ -310,18 +435,19 @@ void dequantize_block(const RunLayout& l, const uint8_t* runs, int64_t b, int64_
   // each 128-bit lane's bytes reordered: the even ones, then the odd ones (q4_slot, q8_slot)
   const __m256i evens_then_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                                    0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256 eight = _mm256_set1_ps(-8.0f);
+  const __m256 offset = _mm256_set1_ps(-static_cast<float>(l.q_offset()));
   for (int64_t g = o0; g < whole; g += 64) {
-    __m256 d[8], m[8];
-    for (int r = 0; r < 8; ++r) {
-      d[r] = q4_scale(l, block + l.d_at(g + 8 * r), table + l.table_d_at(g + 8 * r));
-      m[r] = l.has_min() ? q4_scale(l, block + l.m_at(g + 8 * r), table + l.table_m_at(g + 8 * r))
-                         : (l.form == RunForm::Q4 ? _mm256_mul_ps(eight, d[r]) : _mm256_setzero_ps());
-    }
+    __m256 d[2][8], m[2][8];  // per sub-block (Q6: per 16 channels)
+    for (int64_t sub = 0; sub < l.sub_blocks(); ++sub)
+      for (int r = 0; r < 8; ++r) {
+        d[sub][r] = q4_scale(l, block + l.d_at(g + 8 * r, sub), table + l.table_d_at(g + 8 * r));
+        m[sub][r] = l.has_min() ? q4_scale(l, block + l.m_at(g + 8 * r), table + l.table_m_at(g + 8 * r))
+                                : _mm256_mul_ps(offset, d[sub][r]);
+      }
     for (int64_t c = 0; c < QK; ++c) {
       float* row = out + c * ld + g;
       const uint8_t* run = block + l.run_at(c);
+      const int64_t sub = l.sub_block(c);
       alignas(32) uint8_t q[64];  // the 64 outputs' integers in output order (Q8: two's complement)
       if (l.form == RunForm::Q8) {
         for (int h = 0; h < 2; ++h) {  // 32 bytes: outputs 32h..32h+31, per 16: evens (j), odds (8 + j)
@@ -329,18 +455,22 @@ void dequantize_block(const RunLayout& l, const uint8_t* runs, int64_t b, int64_
           _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * h), _mm256_shuffle_epi8(v, evens_then_odds));
         }
         for (int r = 0; r < 8; ++r)
-          store_values(row + 8 * r, _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * r))), d[r], m[r]);
+          store_values(row + 8 * r, _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * r))), d[0][r], m[0][r]);
         continue;
       }
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + g / 2));
+      // Q6: the nibbles at the 64 outputs' place in their 96-byte unit, their top bits after (q6_slots)
+      const uint8_t* nibbles_at = l.form == RunForm::Q6 ? run + g / 128 * 96 + g % 128 / 2 : run + g / 2;
+      __m256i nibbles[2], top[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      split_nibbles(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles_at)), nibbles[0], nibbles[1]);
+      if (l.form == RunForm::Q6) split_top(run + g / 128 * 96 + 64 + g % 128 / 4, top[0], top[1]);
       // low nibbles: even bytes outputs 0..15, odd 16..31; high nibbles: 32.. and 48.. (q4_slot)
       for (int h = 0; h < 2; ++h) {
-        const __m256i nibbles = h ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low) : _mm256_and_si256(v, low);
-        const __m256i lanes = _mm256_shuffle_epi8(nibbles, evens_then_odds);  // [e0-7 o0-7 | e8-15 o8-15]
+        const __m256i values = _mm256_or_si256(nibbles[h], _mm256_slli_epi16(top[h], 4));  // top < 4: no carry across bytes
+        const __m256i lanes = _mm256_shuffle_epi8(values, evens_then_odds);  // [e0-7 o0-7 | e8-15 o8-15]
         _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * h), _mm256_permute4x64_epi64(lanes, 0xD8));  // e0-15 o0-15
       }
       for (int r = 0; r < 8; ++r)
-        store_values(row + 8 * r, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * r))), d[r], m[r]);
+        store_values(row + 8 * r, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * r))), d[sub][r], m[sub][r]);
     }
   }
   scalar::dequantize_block(l, runs, b, std::max(o0, whole), out, ld);
@@ -384,10 +514,11 @@ void add_q8_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, 
 using Q4Piece = void (*)(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0,
                          int64_t chunk, const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc);
 
-template <int R, Q4Piece piece = add_q4_piece<R>>
+// PLANES: int16 sums per output and row (Q6: its nibbles' and its top bits').
+template <int R, Q4Piece piece = add_q4_piece<R>, int PLANES = 1>
 void add_q4_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
   alignas(64) int16_t acc[Q4_SUMS];
-  constexpr int64_t chunk = Q4_SUMS / R / RUN_GROUP * RUN_GROUP;
+  constexpr int64_t chunk = Q4_SUMS / (PLANES * R) / RUN_GROUP * RUN_GROUP;
   for (int64_t i = i0; i < i1; ++i)
     for (int64_t c0 = 0; c0 < l.padded; c0 += chunk) {
       const auto after = c0 + chunk < l.padded ? first_group<Q4_GROUP>(l, runs, s, i, i1, c0 + chunk, chunk)
@@ -402,6 +533,7 @@ void add_q4_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, 
 template <int R>
 void add_form_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
   if (l.four_bit()) return add_q4_blocks<R>(l, runs, s, i0, i1, y);
+  if (l.form == RunForm::Q6) return add_q4_blocks<R, add_q6_piece<R>, 2>(l, runs, s, i0, i1, y);
   if (avx_vnni_active()) return add_q8_blocks<R, add_q8_piece<R, true>>(l, runs, s, i0, i1, y);
   add_q8_blocks<R>(l, runs, s, i0, i1, y);
 }
@@ -432,32 +564,69 @@ inline __m512 q4_scale(const RunLayout& l, const uint8_t* at, const uint8_t* tab
   const __m512 h = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(l.byte_scales() ? table_at : at)));
   if (!l.byte_scales()) return h;
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
-  return _mm512_mul_ps(h, _mm512_cvtepi32_ps(l.form == RunForm::Q4 ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes)));
+  return _mm512_mul_ps(h, _mm512_cvtepi32_ps(l.form == RunForm::Q4_K ? _mm512_cvtepu8_epi32(bytes) : _mm512_cvtepi8_epi32(bytes)));
 }
+
+// Of the four int16 vectors of 128 outputs' 4-bit sums at `sums` (see add_q4_piece), vectors u and
+// u + 1 (u = 0 or 2) as int32 sums of outputs u * 16 + [0, 16), [16, 32), [64, 80), [80, 96).
+// Vector u holds, per 128-bit lane, int16 pairs of outputs (e, e + 16): lane 0 e = 0..3 (u = 0), 4..7
+// (u = 1), lane 1 8..11, 12..15, lanes 2 and 3 the same + 64; u = 2, 3 the same + 32. Their even
+// and odd halves as int32, vectors u = 0 and 1 side by side, give outputs 0-15 and 64-79 (even), 16-31 and
+// 80-95 (odd); u = 2, 3 the same + 32.
+inline void sums_in_order(const int16_t* sums, int u, __m512i in_order[4]) {
+  const __m512i low_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i high_half = _mm512_add_epi32(low_half, _mm512_set1_epi32(8));
+  const __m512i a = _mm512_load_si512(sums + 32 * u), b = _mm512_load_si512(sums + 32 * u + 32);
+  const __m512i even_a = _mm512_srai_epi32(_mm512_slli_epi32(a, 16), 16), odd_a = _mm512_srai_epi32(a, 16);
+  const __m512i even_b = _mm512_srai_epi32(_mm512_slli_epi32(b, 16), 16), odd_b = _mm512_srai_epi32(b, 16);
+  in_order[0] = _mm512_permutex2var_epi32(even_a, low_half, even_b);   // + 0
+  in_order[1] = _mm512_permutex2var_epi32(odd_a, low_half, odd_b);     // + 16
+  in_order[2] = _mm512_permutex2var_epi32(even_a, high_half, even_b);  // + 64
+  in_order[3] = _mm512_permutex2var_epi32(odd_a, high_half, odd_b);    // + 80
+}
+
+// As avx2's split_nibbles, split_top, interleave and add_two_pairs, 128 outputs at a time (split_top:
+// the 32 bytes at p of 128 outputs, as [first 16, first 16, next 16, next 16] by 128-bit lane).
+inline void split_nibbles(__m512i v, __m512i& lo, __m512i& hi) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+}
+
+inline void split_top(const uint8_t* p, __m512i& lo, __m512i& hi) {
+  const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i x = _mm512_shuffle_i64x2(both, both, 0x50);  // lanes 0 0 1 1
+  const __m512i two_bits = _mm512_set1_epi8(3);
+  lo = _mm512_and_si512(_mm512_srlv_epi64(x, _mm512_setr_epi64(0, 0, 2, 2, 0, 0, 2, 2)), two_bits);
+  hi = _mm512_and_si512(_mm512_srlv_epi64(x, _mm512_setr_epi64(4, 4, 6, 6, 4, 4, 6, 6)), two_bits);
+}
+
+inline void interleave(__m512i a0, __m512i b0, __m512i a1, __m512i b1, __m512i out[4]) {
+  out[0] = _mm512_unpacklo_epi8(a0, a1), out[1] = _mm512_unpackhi_epi8(a0, a1);
+  out[2] = _mm512_unpacklo_epi8(b0, b1), out[3] = _mm512_unpackhi_epi8(b0, b1);
+}
+
+inline void add_two_pairs(int16_t* sums, const __m512i pair0[4], const __m512i pair1[4], __m512i k0, __m512i k1) {
+  for (int u = 0; u < 4; ++u)
+    _mm512_store_si512(sums + 32 * u, _mm512_add_epi16(_mm512_load_si512(sums + 32 * u),
+                                                       _mm512_add_epi16(_mm512_maddubs_epi16(pair0[u], k0),
+                                                                        _mm512_maddubs_epi16(pair1[u], k1))));
+}
+
+// The first output of sums_in_order's vector v of pair u, from o.
+inline int64_t in_order_output(int64_t o, int u, int v) { return o + 16 * u + 16 * (v % 2) + 64 * (v / 2); }
 
 // y[o .. o + 128) += a row's 4-bit sums of those outputs (the four int16 vectors at `sums`, see
 // add_q4_piece) times the block's d and the row's scale, plus the minimum term of the forms with one.
 inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, const uint8_t* table, int64_t o, const int16_t* sums,
                            float scale, int32_t k_sum, float* y) {
-  // Vector u holds, per 128-bit lane, int16 pairs of outputs (e, e + 16): lane 0 e = 0..3 (u = 0), 4..7
-  // (u = 1), lane 1 8..11, 12..15, lanes 2 and 3 the same + 64; u = 2, 3 the same + 32. Their even
-  // and odd halves as int32, vectors u = 0 and 1 side by side, give outputs 0-15 and 64-79 (even), 16-31 and
-  // 80-95 (odd); u = 2, 3 the same + 32.
-  const __m512i low_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i high_half = _mm512_add_epi32(low_half, _mm512_set1_epi32(8));
   const __m512 row_scale = _mm512_set1_ps(scale);
   const __m512 rounded_sum = _mm512_set1_ps(scale * static_cast<float>(k_sum));
   const __m512 eight = _mm512_set1_ps(8.0f);
   for (int u = 0; u < 4; u += 2) {
-    const __m512i a = _mm512_load_si512(sums + 32 * u), b = _mm512_load_si512(sums + 32 * u + 32);
-    const __m512i even_a = _mm512_srai_epi32(_mm512_slli_epi32(a, 16), 16), odd_a = _mm512_srai_epi32(a, 16);
-    const __m512i even_b = _mm512_srai_epi32(_mm512_slli_epi32(b, 16), 16), odd_b = _mm512_srai_epi32(b, 16);
-    const __m512i in_order[4] = {_mm512_permutex2var_epi32(even_a, low_half, even_b),   // + 0
-                                 _mm512_permutex2var_epi32(odd_a, low_half, odd_b),     // + 16
-                                 _mm512_permutex2var_epi32(even_a, high_half, even_b),  // + 64
-                                 _mm512_permutex2var_epi32(odd_a, high_half, odd_b)};   // + 80
+    __m512i in_order[4];
+    sums_in_order(sums, u, in_order);
     for (int v = 0; v < 4; ++v) {
-      const int64_t at = o + 16 * u + 16 * (v % 2) + 64 * (v / 2);
+      const int64_t at = in_order_output(o, u, v);
       const __m512 d = q4_scale(l, block + l.d_at(at), table + l.table_d_at(at));
       __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(in_order[v]), _mm512_mul_ps(row_scale, d), _mm512_loadu_ps(y + at));
       if (l.has_min()) {
@@ -478,7 +647,6 @@ void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
                   const avx2::GroupRuns<avx2::Q4_GROUP>& after, float* y, int16_t* acc) {
   using namespace avx2;
   const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
-  const __m512i low = _mm512_set1_epi8(0x0F);
   for (int r = 0; r < R; ++r) {
     const __m512i init = _mm512_set1_epi16(static_cast<int16_t>(-8 * k_sum[r]));  // wraps: the sums fit int16
     for (int64_t o = 0; o < n; o += 32) _mm512_store_si512(acc + r * chunk + o, init);
@@ -494,25 +662,91 @@ void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
       if (j + Q4_GROUP >= j1) fetch_scales(l, block, table, c0 + g, 128);
       __m512i both[Q4_GROUP / 2][4];
       for (int h = 0; h < Q4_GROUP / 2; ++h) {
-        const __m512i v0 = _mm512_loadu_si512(w[2 * h] + g / 2), v1 = _mm512_loadu_si512(w[2 * h + 1] + g / 2);
-        const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-        const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
-        both[h][0] = _mm512_unpacklo_epi8(lo0, lo1), both[h][1] = _mm512_unpackhi_epi8(lo0, lo1);
-        both[h][2] = _mm512_unpacklo_epi8(hi0, hi1), both[h][3] = _mm512_unpackhi_epi8(hi0, hi1);
+        __m512i lo0, hi0, lo1, hi1;
+        split_nibbles(_mm512_loadu_si512(w[2 * h] + g / 2), lo0, hi0);
+        split_nibbles(_mm512_loadu_si512(w[2 * h + 1] + g / 2), lo1, hi1);
+        interleave(lo0, hi0, lo1, hi1, both[h]);
       }
-      for (int r = 0; r < R; ++r) {
-        int16_t* a = acc + r * chunk + g;
-        for (int u = 0; u < 4; ++u)
-          _mm512_store_si512(a + 32 * u, _mm512_add_epi16(_mm512_load_si512(a + 32 * u),
-                                                         _mm512_add_epi16(_mm512_maddubs_epi16(both[0][u], k[0][r]),
-                                                                          _mm512_maddubs_epi16(both[1][u], k[1][r]))));
-      }
+      for (int r = 0; r < R; ++r) add_two_pairs(acc + r * chunk + g, both[0], both[1], k[0][r], k[1][r]);
     }
   }
   for (int r = 0; r < R; ++r) {
     if (scale[r] == 0.0f) continue;  // nothing of this row in the block
     for (int64_t g = 0; g < n; g += 128)
       add_q4_outputs(l, block, table, c0 + g, acc + r * chunk + g, scale[r], k_sum[r], y + r * l.padded);
+  }
+}
+
+// y[o .. o + 128) += a row's Q6 sums of those outputs in sub-block sub: each nibble sum (at nib, as
+// the 4-bit sums) plus 16 times its top-bit sum (at top), times the sub-block's d and the row's scale.
+inline void add_q6_outputs(const RunLayout& l, const uint8_t* block, const uint8_t* table, int64_t o, int64_t sub,
+                           const int16_t* nib, const int16_t* top, float scale, float* y) {
+  const __m512 row_scale = _mm512_set1_ps(scale);
+  for (int u = 0; u < 4; u += 2) {
+    __m512i q[4], t[4];
+    sums_in_order(nib, u, q);
+    sums_in_order(top, u, t);
+    for (int v = 0; v < 4; ++v) {
+      const int64_t at = in_order_output(o, u, v);
+      const __m512 d = q4_scale(l, block + l.d_at(at, sub), table + l.table_d_at(at));
+      const __m512i sum = _mm512_add_epi32(q[v], _mm512_slli_epi32(t[v], 4));
+      _mm512_storeu_ps(y + at, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(row_scale, d), _mm512_loadu_ps(y + at)));
+    }
+  }
+}
+
+// Q6 runs, R rows, outputs [c0, c0 + chunk) of block i (see avx2::add_q6_piece): 128 outputs per step,
+// each 256-bit half of a vector what the AVX2 kernel computes for 64 of them (the top bits' 32 bytes
+// as [first 16, first 16, next 16, next 16] by 128-bit lane). acc as add_q4_piece's, per plane.
+template <int R>
+void add_q6_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
+                  const avx2::GroupRuns<avx2::Q4_GROUP>& after, float* y, int16_t* acc) {
+  using namespace avx2;
+  const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
+  int16_t* const top_acc = acc + R * chunk;
+  const auto sub_blocks = q6_sub_blocks(l, block, s, j0, j1, c0, n, after);
+  for (int64_t sub = 0; sub < 2; ++sub) {
+    const auto& [a, b, then] = sub_blocks[sub];
+    if (a == b) continue;
+    for (int r = 0; r < R; ++r) {
+      const __m512i init = _mm512_set1_epi16(static_cast<int16_t>(-2 * k_sum_of(s, a, b, r)));
+      for (int64_t o = 0; o < n; o += 32) {
+        _mm512_store_si512(acc + r * chunk + o, _mm512_setzero_si512());
+        _mm512_store_si512(top_acc + r * chunk + o, init);
+      }
+    }
+    for (int32_t j = a; j < b; j += Q4_GROUP) {
+      const auto [here, next] = group_and_next<Q4_GROUP>(l, block, s, j, b, c0, n, then);
+      const uint8_t* const* w = here.w;
+      __m512i k[Q4_GROUP / 2][R];
+      for (int h = 0; h < Q4_GROUP / 2; ++h)
+        for (int r = 0; r < R; ++r) k[h][r] = _mm512_set1_epi16(byte_pair(s, j + 2 * h, b, r));
+      for (int64_t g = 0; g < n; g += 128) {
+        const int64_t unit = g / 128 * 96;
+        next.fetch_span(unit, unit + 96);
+        if (j + Q4_GROUP >= b) fetch_scales(l, block, table, c0 + g, 128);
+        __m512i nib[Q4_GROUP / 2][4], top[Q4_GROUP / 2][4];
+        for (int h = 0; h < Q4_GROUP / 2; ++h) {
+          const uint8_t *w0 = w[2 * h] + unit, *w1 = w[2 * h + 1] + unit;
+          __m512i lo0, hi0, lo1, hi1;
+          split_nibbles(_mm512_loadu_si512(w0), lo0, hi0);
+          split_nibbles(_mm512_loadu_si512(w1), lo1, hi1);
+          interleave(lo0, hi0, lo1, hi1, nib[h]);
+          split_top(w0 + 64, lo0, hi0);
+          split_top(w1 + 64, lo1, hi1);
+          interleave(lo0, hi0, lo1, hi1, top[h]);
+        }
+        for (int r = 0; r < R; ++r) {
+          add_two_pairs(acc + r * chunk + g, nib[0], nib[1], k[0][r], k[1][r]);
+          add_two_pairs(top_acc + r * chunk + g, top[0], top[1], k[0][r], k[1][r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      if (scale[r] == 0.0f) continue;  // nothing of this row in the block
+      for (int64_t g = 0; g < n; g += 128)
+        add_q6_outputs(l, block, table, c0 + g, sub, acc + r * chunk + g, top_acc + r * chunk + g, scale[r], y + r * l.padded);
+    }
   }
 }
 
@@ -577,6 +811,7 @@ template <int R>
 void add_form_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
   using avx2::add_q4_blocks, avx2::add_q8_blocks;
   if (l.four_bit()) return add_q4_blocks<R, add_q4_piece<R>>(l, runs, s, i0, i1, y);
+  if (l.form == RunForm::Q6) return add_q4_blocks<R, add_q6_piece<R>, 2>(l, runs, s, i0, i1, y);
   add_q8_blocks<R, add_q8_piece<R>>(l, runs, s, i0, i1, y);
 }
 
