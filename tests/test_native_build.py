@@ -57,10 +57,11 @@ def test_load_killed_midway_then_loaded_again_finishes(default_model):
     """A run interrupted while loading (as Ctrl-C or a timeout does) must not leave a lock or a
     half-built file that makes the next run wait."""
     loader = f"from powerinfer import LLM; print('loading', flush=True); LLM({str(default_model)!r}, n_ctx=64); print('loaded', flush=True)"
-    child = subprocess.Popen([sys.executable, "-c", loader], stdout=subprocess.PIPE, text=True)
+    # the killed child waits after loading: the kill lands even where loading takes less than the pause
+    child = subprocess.Popen([sys.executable, "-c", loader + "; import time; time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "loading"
-        time.sleep(0.5)  # inside LLM(): the native module and the weights are being loaded
+        time.sleep(0.1)  # inside LLM(): the native module and the weights are being loaded
         child.send_signal(signal.SIGKILL)
     finally:
         child.wait(timeout=30)
