@@ -153,11 +153,11 @@ def test_fused_parts_of_mixed_types_equal_the_masked_product(each_isa):
 
 
 @pytest.mark.parametrize("rows", [7, SPARSE_MAX_ROWS])  # groups of 4 rows read each run once, and the rest
-@pytest.mark.parametrize("form", ["4-bit", "Q8_0"])
+@pytest.mark.parametrize("form", ["4-bit", "Q8_0", "Q6_K"])
 def test_each_row_gets_its_one_row_result_exactly(rows, form, each_isa):
     """What keeps batched decoding equal to decoding alone: each row's bits do not depend on the
     other rows of its call."""
-    matrices = fused(seed=6) if form == "4-bit" else [matrix(T.Q8_0, 200, 256, seed=6)]
+    matrices = fused(seed=6) if form == "4-bit" else [matrix(T[form], 200, 256, seed=6)]
     x = inputs(rows, 256, seed=7)
     x[1] *= 4  # a row that selects many more channels than the others
     x[2, :128] = 0.0  # and one with nothing in half the blocks
@@ -326,6 +326,28 @@ def test_q4_k_keeps_its_scales(rows, each_isa):
     layer = column_linear([m], thresholds)
     assert layer.nbytes == 256 * 512 // 32 * 18.5
     check(layer, [m], thresholds, x, rounds=rows <= SPARSE_MAX_ROWS, exact_scales=True)
+
+
+@pytest.mark.parametrize("rows", [1, 4, SPARSE_MAX_ROWS + 1])
+def test_q6_k_keeps_its_bits_and_sums_its_extremes_exactly(rows, each_isa):
+    """Q6_K's runs keep its 6-bit q, int8 scales and float16 d: 26.25 bytes per 32 weights. Every
+    channel active with k = 127 and every q at 63 or 0 (w = 31 or -32 steps): a 16-input sub-block's
+    k (q - 32) sums to 16 * 32 * 127, past int16 (the kernels sum eight channels per set of sums)."""
+    rows_bytes = np.zeros((130, 2, 210), np.uint8)  # 130 outputs, 512 inputs: two Q6_K blocks per row
+    rows_bytes[::2, :, :192] = 0xFF  # ql and qh: q = 63 in the even outputs, 0 in the odd ones
+    rows_bytes[:, :, 192:208] = np.arange(1, 17, dtype=np.int8).view(np.uint8)  # sc 1..16 per 16 inputs
+    rows_bytes[:, :, 208:210] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    m = RowMatrix(torch.from_numpy(rows_bytes.reshape(130, 420)), T.Q6_K, 512)
+    x = torch.ones(rows, 512)
+    x[1:] *= -2.0  # rows of k = -127 too
+    thresholds = torch.zeros(512)
+    layer = column_linear([m], thresholds)
+    assert layer.nbytes == 256 * 512 // 32 * 26 + 2 * 2 * 256
+    check(layer, [m], thresholds, x, rounds=rows <= SPARSE_MAX_ROWS, exact_scales=True)
+    m = matrix(T.Q6_K, 200, 512, seed=43)
+    x = inputs(rows, 512, seed=44)
+    thresholds = thresholds_at(x, 0.4, seed=45)
+    check(column_linear([m], thresholds), [m], thresholds, x, rounds=rows <= SPARSE_MAX_ROWS, exact_scales=True)
 
 
 def test_bad_shapes_are_refused():

@@ -21,9 +21,9 @@
 //   Q8 (Q8_0 rows: int8 q, w = d q);
 //   Q6 (Q6_K rows, their bits: w = D sc (q - 32), 6-bit q as a nibble plane and a 2-bit plane, the
 //   file's int8 sc per 16 inputs as two bytes per output and block, its float16 D per output and 256
-//   inputs in a table after the blocks: 26.25 bytes per 32 weights, as the file. Each plane meets the
-//   rows' k in `maddubs` as the Q4 runs do. Until it, Q6_K rows were re-quantized to the Q8 form, 34
-//   bytes per 32 weights.) Q6_K is the type of most files' output head and of Q4_K_M's value and
+//   inputs in a table after the blocks: 26.25 bytes per 32 weights, as the file. The kernels join
+//   the planes into each channel's 6-bit q, which meets the rows' k in `maddubs` as the Q4 runs'
+//   nibbles do. Until it, Q6_K rows were re-quantized to the Q8 form, 34 bytes per 32 weights.) Q6_K is the type of most files' output head and of Q4_K_M's value and
 //   down projections.
 //   A projection's matrices go in parts, one form each: consecutive matrices of one form share a
 //   part (a Q4_K_M file's q and k, then its Q6_K v); all parts take the same selection.

@@ -192,6 +192,16 @@ inline void split_top(const uint8_t* p, __m256i& lo, __m256i& hi) {
   hi = _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_setr_epi64x(4, 4, 6, 6)), two_bits);
 }
 
+// A Q6 run's 64 outputs, their nibbles v and their top bits at p, as the 6-bit values at the
+// nibbles' low places (lo) and high places (hi).
+inline void split_six_bits(__m256i v, const uint8_t* p, __m256i& lo, __m256i& hi) {
+  __m256i top_lo, top_hi;
+  split_nibbles(v, lo, hi);
+  split_top(p, top_lo, top_hi);
+  // top bits < 4: shifted within their bytes
+  lo = _mm256_or_si256(lo, _mm256_slli_epi16(top_lo, 4)), hi = _mm256_or_si256(hi, _mm256_slli_epi16(top_hi, 4));
+}
+
 // Two channels' values (at the nibbles' low places a, high places b) interleaved byte by byte, channel
 // j's first: the four vectors that `maddubs` meets with a row's [k_j, k_j+1].
 inline void interleave(__m256i a0, __m256i b0, __m256i a1, __m256i b1, __m256i out[4]) {
@@ -264,19 +274,19 @@ void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
   }
 }
 
-// y[o .. o + 32) += a row's Q6 sums of those outputs in sub-block sub: each nibble sum (the int16
-// vectors at nib, nib + 16, slot order as the 4-bit sums: see in_order) plus 16 times its top-bit sum
-// (at top, top + 16), times the sub-block's d and the row's scale.
+// y[o .. o + 32) += a row's Q6 sums of those outputs in sub-block sub: its first eight channels'
+// sum (the int16 vectors at first, first + 16, slot order as the 4-bit sums: see in_order) plus the
+// other channels' (at second, second + 16), times the sub-block's d and the row's scale.
 inline void add_q6_outputs(const RunLayout& l, const uint8_t* block, const uint8_t* table, int64_t o, int64_t sub,
-                           const int16_t* nib, const int16_t* top, float scale, float* y) {
-  const __m256i* n = reinterpret_cast<const __m256i*>(nib);
-  const __m256i* t2 = reinterpret_cast<const __m256i*>(top);
+                           const int16_t* first, const int16_t* second, float scale, float* y) {
+  const __m256i* f = reinterpret_cast<const __m256i*>(first);
+  const __m256i* t2 = reinterpret_cast<const __m256i*>(second);
   __m256i q[4], t[4];
-  in_order(_mm256_load_si256(n), _mm256_load_si256(n + 1), q);
+  in_order(_mm256_load_si256(f), _mm256_load_si256(f + 1), q);
   in_order(_mm256_load_si256(t2), _mm256_load_si256(t2 + 1), t);
   __m256 d[4];
   for (int h = 0; h < 4; ++h) {
-    q[h] = _mm256_add_epi32(q[h], _mm256_slli_epi32(t[h], 4));
+    q[h] = _mm256_add_epi32(q[h], t[h]);
     d[h] = q4_scale(l, block + l.d_at(o + 8 * h, sub), table + l.table_d_at(o + 8 * h));
   }
   const __m256 row_scale = _mm256_set1_ps(scale);
@@ -299,6 +309,9 @@ inline std::array<Q6SubBlock, 2> q6_sub_blocks(const RunLayout& l, const uint8_t
   return {Q6SubBlock{j0, mid, mid < j1 ? GroupRuns<Q4_GROUP>(l, block, s, mid, j1, c0, n) : after}, Q6SubBlock{mid, j1, after}};
 }
 
+// Active channels of a Q6 sub-block per set of int16 sums (see add_q6_piece); a multiple of Q4_GROUP.
+constexpr int32_t Q6_SUM_CHANNELS = 8;
+
 // Row r's sum of k over channels [a, b) (a Q6 sub-block's).
 inline int32_t k_sum_of(const Selection& s, int32_t a, int32_t b, int r) {
   int32_t sum = 0;
@@ -306,30 +319,35 @@ inline int32_t k_sum_of(const Selection& s, int32_t a, int32_t b, int r) {
   return sum;
 }
 
-// Q6 runs, R rows, outputs [c0, c0 + chunk) of block i, as the 4-bit kernel: the nibbles, and in the
-// same pass the top two bits (each 64 outputs' 16 bytes broadcast to both lanes, shifted and masked
-// to line up byte by byte with the nibbles: q6_slots), each plane meeting the rows' k pairs in
-// `maddubs` into int16 sums of its own: the nibbles' from 0 (at most 16 * 15 * 127), the top bits'
-// from -2 k_sum (their k (t - 2), at most 16 * 2 * 127), so that nibbles + 16 top = k (q - 32). One
-// sub-block (16 channels, its own scale) after the other. acc: per row the chunk's nibble sums, then
-// per row its top-bit sums.
+// Q6 runs, R rows, outputs [c0, c0 + chunk) of block i, as the 4-bit kernel: each channel's nibbles
+// and top two bits (each 64 outputs' 16 bytes broadcast to both lanes, shifted and masked to line up
+// byte by byte with the nibbles: q6_slots) joined into its 6-bit q, which meets the rows' k pairs in
+// `maddubs` (a pair's products at most 2 * 63 * 127: no saturation). One sub-block (16 channels, its
+// own scale) after the other, its first eight active channels into one set of int16 sums and the rest
+// into another, each from -32 times its channels' k sum: k (q - 32) of eight channels, at most
+// 8 * 32 * 127, is exact in int16 (sixteen would not be). (Summing the nibbles and the top bits apart
+// took two multiply-adds per row: four rows ran at 0.70x the dense rows against 0.79-0.95x with
+// Q6_K re-quantized to Q8 runs.) acc: per row the chunk's first sums, then per row its second.
 template <int R>
 void add_q6_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc) {
   const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
-  int16_t* const top_acc = acc + R * chunk;
+  int16_t* const second_acc = acc + R * chunk;
   const auto sub_blocks = q6_sub_blocks(l, block, s, j0, j1, c0, n, after);
   for (int64_t sub = 0; sub < 2; ++sub) {
     const auto& [a, b, then] = sub_blocks[sub];
     if (a == b) continue;
+    const int32_t split = std::min(a + Q6_SUM_CHANNELS, b);
     for (int r = 0; r < R; ++r) {
-      const __m256i init = _mm256_set1_epi16(static_cast<int16_t>(-2 * k_sum_of(s, a, b, r)));
+      const __m256i first = _mm256_set1_epi16(static_cast<int16_t>(-32 * k_sum_of(s, a, split, r)));
+      const __m256i second = _mm256_set1_epi16(static_cast<int16_t>(-32 * k_sum_of(s, split, b, r)));
       for (int64_t o = 0; o < n; o += 16) {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(acc + r * chunk + o), _mm256_setzero_si256());
-        _mm256_store_si256(reinterpret_cast<__m256i*>(top_acc + r * chunk + o), init);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(acc + r * chunk + o), first);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(second_acc + r * chunk + o), second);
       }
     }
     for (int32_t j = a; j < b; j += Q4_GROUP) {
+      int16_t* const sums = j < split ? acc : second_acc;
       const auto [here, next] = group_and_next<Q4_GROUP>(l, block, s, j, b, c0, n, then);
       const uint8_t* const* w = here.w;
       __m256i k[Q4_GROUP / 2][R];
@@ -338,27 +356,21 @@ void add_q6_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
         const int64_t unit = g / 128 * 96, half = g % 128 / 64;
         if (half == 0) next.fetch_span(unit, unit + 96);
         if (j + Q4_GROUP >= b) fetch_scales(l, block, table, c0 + g, 64);
-        __m256i nib[Q4_GROUP / 2][4], top[Q4_GROUP / 2][4];
+        __m256i six[Q4_GROUP / 2][4];
         for (int h = 0; h < Q4_GROUP / 2; ++h) {
           const uint8_t *w0 = w[2 * h] + unit, *w1 = w[2 * h + 1] + unit;
           __m256i lo0, hi0, lo1, hi1;
-          split_nibbles(_mm256_load_si256(reinterpret_cast<const __m256i*>(w0 + 32 * half)), lo0, hi0);
-          split_nibbles(_mm256_load_si256(reinterpret_cast<const __m256i*>(w1 + 32 * half)), lo1, hi1);
-          interleave(lo0, hi0, lo1, hi1, nib[h]);
-          split_top(w0 + 64 + 16 * half, lo0, hi0);
-          split_top(w1 + 64 + 16 * half, lo1, hi1);
-          interleave(lo0, hi0, lo1, hi1, top[h]);
+          split_six_bits(_mm256_load_si256(reinterpret_cast<const __m256i*>(w0 + 32 * half)), w0 + 64 + 16 * half, lo0, hi0);
+          split_six_bits(_mm256_load_si256(reinterpret_cast<const __m256i*>(w1 + 32 * half)), w1 + 64 + 16 * half, lo1, hi1);
+          interleave(lo0, hi0, lo1, hi1, six[h]);
         }
-        for (int r = 0; r < R; ++r) {
-          add_two_pairs(acc + r * chunk + g, nib[0], nib[1], k[0][r], k[1][r]);
-          add_two_pairs(top_acc + r * chunk + g, top[0], top[1], k[0][r], k[1][r]);
-        }
+        for (int r = 0; r < R; ++r) add_two_pairs(sums + r * chunk + g, six[0], six[1], k[0][r], k[1][r]);
       }
     }
     for (int r = 0; r < R; ++r) {
       if (scale[r] == 0.0f) continue;  // nothing of this row in the block
       for (int64_t g = 0; g < n; g += 32)
-        add_q6_outputs(l, block, table, c0 + g, sub, acc + r * chunk + g, top_acc + r * chunk + g, scale[r], y + r * l.padded);
+        add_q6_outputs(l, block, table, c0 + g, sub, acc + r * chunk + g, second_acc + r * chunk + g, scale[r], y + r * l.padded);
     }
   }
 }
@@ -460,13 +472,15 @@ void dequantize_block(const RunLayout& l, const uint8_t* runs, int64_t b, int64_
       }
       // Q6: the nibbles at the 64 outputs' place in their 96-byte unit, their top bits after (q6_slots)
       const uint8_t* nibbles_at = l.form == RunForm::Q6 ? run + g / 128 * 96 + g % 128 / 2 : run + g / 2;
-      __m256i nibbles[2], top[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-      split_nibbles(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles_at)), nibbles[0], nibbles[1]);
-      if (l.form == RunForm::Q6) split_top(run + g / 128 * 96 + 64 + g % 128 / 4, top[0], top[1]);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles_at));
+      __m256i values[2];  // at the nibbles' low places, then their high places
+      if (l.form == RunForm::Q6)
+        split_six_bits(v, run + g / 128 * 96 + 64 + g % 128 / 4, values[0], values[1]);
+      else
+        split_nibbles(v, values[0], values[1]);
       // low nibbles: even bytes outputs 0..15, odd 16..31; high nibbles: 32.. and 48.. (q4_slot)
       for (int h = 0; h < 2; ++h) {
-        const __m256i values = _mm256_or_si256(nibbles[h], _mm256_slli_epi16(top[h], 4));  // top < 4: no carry across bytes
-        const __m256i lanes = _mm256_shuffle_epi8(values, evens_then_odds);  // [e0-7 o0-7 | e8-15 o8-15]
+        const __m256i lanes = _mm256_shuffle_epi8(values[h], evens_then_odds);  // [e0-7 o0-7 | e8-15 o8-15]
         _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * h), _mm256_permute4x64_epi64(lanes, 0xD8));  // e0-15 o0-15
       }
       for (int r = 0; r < 8; ++r)
@@ -514,7 +528,7 @@ void add_q8_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, 
 using Q4Piece = void (*)(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0,
                          int64_t chunk, const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc);
 
-// PLANES: int16 sums per output and row (Q6: its nibbles' and its top bits').
+// PLANES: sets of int16 sums per output and row (Q6: two, see add_q6_piece).
 template <int R, Q4Piece piece = add_q4_piece<R>, int PLANES = 1>
 void add_q4_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
   alignas(64) int16_t acc[Q4_SUMS];
@@ -585,8 +599,9 @@ inline void sums_in_order(const int16_t* sums, int u, __m512i in_order[4]) {
   in_order[3] = _mm512_permutex2var_epi32(odd_a, high_half, odd_b);    // + 80
 }
 
-// As avx2's split_nibbles, split_top, interleave and add_two_pairs, 128 outputs at a time (split_top:
-// the 32 bytes at p of 128 outputs, as [first 16, first 16, next 16, next 16] by 128-bit lane).
+// As avx2's split_nibbles, split_top, split_six_bits, interleave and add_two_pairs, 128 outputs at a
+// time (split_top: the 32 bytes at p of 128 outputs, as [first 16, first 16, next 16, next 16] by
+// 128-bit lane).
 inline void split_nibbles(__m512i v, __m512i& lo, __m512i& hi) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -598,6 +613,13 @@ inline void split_top(const uint8_t* p, __m512i& lo, __m512i& hi) {
   const __m512i two_bits = _mm512_set1_epi8(3);
   lo = _mm512_and_si512(_mm512_srlv_epi64(x, _mm512_setr_epi64(0, 0, 2, 2, 0, 0, 2, 2)), two_bits);
   hi = _mm512_and_si512(_mm512_srlv_epi64(x, _mm512_setr_epi64(4, 4, 6, 6, 4, 4, 6, 6)), two_bits);
+}
+
+inline void split_six_bits(__m512i v, const uint8_t* p, __m512i& lo, __m512i& hi) {
+  __m512i top_lo, top_hi;
+  split_nibbles(v, lo, hi);
+  split_top(p, top_lo, top_hi);
+  lo = _mm512_or_si512(lo, _mm512_slli_epi16(top_lo, 4)), hi = _mm512_or_si512(hi, _mm512_slli_epi16(top_hi, 4));
 }
 
 inline void interleave(__m512i a0, __m512i b0, __m512i a1, __m512i b1, __m512i out[4]) {
@@ -677,19 +699,20 @@ void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
   }
 }
 
-// y[o .. o + 128) += a row's Q6 sums of those outputs in sub-block sub: each nibble sum (at nib, as
-// the 4-bit sums) plus 16 times its top-bit sum (at top), times the sub-block's d and the row's scale.
+// y[o .. o + 128) += a row's Q6 sums of those outputs in sub-block sub: its first eight channels'
+// (at first, as the 4-bit sums) plus the others' (at second), times the sub-block's d and the row's
+// scale.
 inline void add_q6_outputs(const RunLayout& l, const uint8_t* block, const uint8_t* table, int64_t o, int64_t sub,
-                           const int16_t* nib, const int16_t* top, float scale, float* y) {
+                           const int16_t* first, const int16_t* second, float scale, float* y) {
   const __m512 row_scale = _mm512_set1_ps(scale);
   for (int u = 0; u < 4; u += 2) {
     __m512i q[4], t[4];
-    sums_in_order(nib, u, q);
-    sums_in_order(top, u, t);
+    sums_in_order(first, u, q);
+    sums_in_order(second, u, t);
     for (int v = 0; v < 4; ++v) {
       const int64_t at = in_order_output(o, u, v);
       const __m512 d = q4_scale(l, block + l.d_at(at, sub), table + l.table_d_at(at));
-      const __m512i sum = _mm512_add_epi32(q[v], _mm512_slli_epi32(t[v], 4));
+      const __m512i sum = _mm512_add_epi32(q[v], t[v]);
       _mm512_storeu_ps(y + at, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(row_scale, d), _mm512_loadu_ps(y + at)));
     }
   }
@@ -697,25 +720,28 @@ inline void add_q6_outputs(const RunLayout& l, const uint8_t* block, const uint8
 
 // Q6 runs, R rows, outputs [c0, c0 + chunk) of block i (see avx2::add_q6_piece): 128 outputs per step,
 // each 256-bit half of a vector what the AVX2 kernel computes for 64 of them (the top bits' 32 bytes
-// as [first 16, first 16, next 16, next 16] by 128-bit lane). acc as add_q4_piece's, per plane.
+// as [first 16, first 16, next 16, next 16] by 128-bit lane). acc as add_q4_piece's, per set of sums.
 template <int R>
 void add_q6_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   const avx2::GroupRuns<avx2::Q4_GROUP>& after, float* y, int16_t* acc) {
   using namespace avx2;
   const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
-  int16_t* const top_acc = acc + R * chunk;
+  int16_t* const second_acc = acc + R * chunk;
   const auto sub_blocks = q6_sub_blocks(l, block, s, j0, j1, c0, n, after);
   for (int64_t sub = 0; sub < 2; ++sub) {
     const auto& [a, b, then] = sub_blocks[sub];
     if (a == b) continue;
+    const int32_t split = std::min(a + Q6_SUM_CHANNELS, b);
     for (int r = 0; r < R; ++r) {
-      const __m512i init = _mm512_set1_epi16(static_cast<int16_t>(-2 * k_sum_of(s, a, b, r)));
+      const __m512i first = _mm512_set1_epi16(static_cast<int16_t>(-32 * k_sum_of(s, a, split, r)));
+      const __m512i second = _mm512_set1_epi16(static_cast<int16_t>(-32 * k_sum_of(s, split, b, r)));
       for (int64_t o = 0; o < n; o += 32) {
-        _mm512_store_si512(acc + r * chunk + o, _mm512_setzero_si512());
-        _mm512_store_si512(top_acc + r * chunk + o, init);
+        _mm512_store_si512(acc + r * chunk + o, first);
+        _mm512_store_si512(second_acc + r * chunk + o, second);
       }
     }
     for (int32_t j = a; j < b; j += Q4_GROUP) {
+      int16_t* const sums = j < split ? acc : second_acc;
       const auto [here, next] = group_and_next<Q4_GROUP>(l, block, s, j, b, c0, n, then);
       const uint8_t* const* w = here.w;
       __m512i k[Q4_GROUP / 2][R];
@@ -725,27 +751,21 @@ void add_q6_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
         const int64_t unit = g / 128 * 96;
         next.fetch_span(unit, unit + 96);
         if (j + Q4_GROUP >= b) fetch_scales(l, block, table, c0 + g, 128);
-        __m512i nib[Q4_GROUP / 2][4], top[Q4_GROUP / 2][4];
+        __m512i six[Q4_GROUP / 2][4];
         for (int h = 0; h < Q4_GROUP / 2; ++h) {
           const uint8_t *w0 = w[2 * h] + unit, *w1 = w[2 * h + 1] + unit;
           __m512i lo0, hi0, lo1, hi1;
-          split_nibbles(_mm512_loadu_si512(w0), lo0, hi0);
-          split_nibbles(_mm512_loadu_si512(w1), lo1, hi1);
-          interleave(lo0, hi0, lo1, hi1, nib[h]);
-          split_top(w0 + 64, lo0, hi0);
-          split_top(w1 + 64, lo1, hi1);
-          interleave(lo0, hi0, lo1, hi1, top[h]);
+          split_six_bits(_mm512_loadu_si512(w0), w0 + 64, lo0, hi0);
+          split_six_bits(_mm512_loadu_si512(w1), w1 + 64, lo1, hi1);
+          interleave(lo0, hi0, lo1, hi1, six[h]);
         }
-        for (int r = 0; r < R; ++r) {
-          add_two_pairs(acc + r * chunk + g, nib[0], nib[1], k[0][r], k[1][r]);
-          add_two_pairs(top_acc + r * chunk + g, top[0], top[1], k[0][r], k[1][r]);
-        }
+        for (int r = 0; r < R; ++r) add_two_pairs(sums + r * chunk + g, six[0], six[1], k[0][r], k[1][r]);
       }
     }
     for (int r = 0; r < R; ++r) {
       if (scale[r] == 0.0f) continue;  // nothing of this row in the block
       for (int64_t g = 0; g < n; g += 128)
-        add_q6_outputs(l, block, table, c0 + g, sub, acc + r * chunk + g, top_acc + r * chunk + g, scale[r], y + r * l.padded);
+        add_q6_outputs(l, block, table, c0 + g, sub, acc + r * chunk + g, second_acc + r * chunk + g, scale[r], y + r * l.padded);
     }
   }
 }
