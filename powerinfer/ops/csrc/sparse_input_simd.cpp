@@ -183,23 +183,16 @@ inline void split_nibbles(__m256i v, __m256i& lo, __m256i& hi) {
   lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
 }
 
-// A Q6 run's 16 bytes of top bits of 64 outputs at p as the 2-bit values at the places of the nibbles'
-// low halves (lo) and high halves (hi): q6_slots.
-inline void split_top(const uint8_t* p, __m256i& lo, __m256i& hi) {
-  const __m256i x = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i two_bits = _mm256_set1_epi8(3);
-  lo = _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_setr_epi64x(0, 0, 2, 2)), two_bits);
-  hi = _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_setr_epi64x(4, 4, 6, 6)), two_bits);
-}
-
-// A Q6 run's 64 outputs, their nibbles v and their top bits at p, as the 6-bit values at the
-// nibbles' low places (lo) and high places (hi).
+// A Q6 run's 64 outputs, their nibbles v and their 16 bytes of top bits at p, as the 6-bit values at
+// the nibbles' low places (lo) and high places (hi): the top bits broadcast to both lanes and shifted
+// per 64-bit lane to bits 4 and 5 of the byte they line up with (q6_slots: the low places' from bits
+// 0-1, 2-3 by lane, the high places' from 4-5, 6-7), masked, joined to the nibbles.
 inline void split_six_bits(__m256i v, const uint8_t* p, __m256i& lo, __m256i& hi) {
-  __m256i top_lo, top_hi;
+  const __m256i x = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i top = _mm256_set1_epi8(0x30);
   split_nibbles(v, lo, hi);
-  split_top(p, top_lo, top_hi);
-  // top bits < 4: shifted within their bytes
-  lo = _mm256_or_si256(lo, _mm256_slli_epi16(top_lo, 4)), hi = _mm256_or_si256(hi, _mm256_slli_epi16(top_hi, 4));
+  lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_sllv_epi64(x, _mm256_setr_epi64x(4, 4, 2, 2)), top));
+  hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_setr_epi64x(0, 0, 2, 2)), top));
 }
 
 // Two channels' values (at the nibbles' low places a, high places b) interleaved byte by byte, channel
@@ -599,27 +592,21 @@ inline void sums_in_order(const int16_t* sums, int u, __m512i in_order[4]) {
   in_order[3] = _mm512_permutex2var_epi32(odd_a, high_half, odd_b);    // + 80
 }
 
-// As avx2's split_nibbles, split_top, split_six_bits, interleave and add_two_pairs, 128 outputs at a
-// time (split_top: the 32 bytes at p of 128 outputs, as [first 16, first 16, next 16, next 16] by
-// 128-bit lane).
+// As avx2's split_nibbles, split_six_bits, interleave and add_two_pairs, 128 outputs at a time
+// (split_six_bits: the 32 bytes of top bits at p of 128 outputs, as [first 16, first 16, next 16,
+// next 16] by 128-bit lane).
 inline void split_nibbles(__m512i v, __m512i& lo, __m512i& hi) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
 }
 
-inline void split_top(const uint8_t* p, __m512i& lo, __m512i& hi) {
+inline void split_six_bits(__m512i v, const uint8_t* p, __m512i& lo, __m512i& hi) {
   const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   const __m512i x = _mm512_shuffle_i64x2(both, both, 0x50);  // lanes 0 0 1 1
-  const __m512i two_bits = _mm512_set1_epi8(3);
-  lo = _mm512_and_si512(_mm512_srlv_epi64(x, _mm512_setr_epi64(0, 0, 2, 2, 0, 0, 2, 2)), two_bits);
-  hi = _mm512_and_si512(_mm512_srlv_epi64(x, _mm512_setr_epi64(4, 4, 6, 6, 4, 4, 6, 6)), two_bits);
-}
-
-inline void split_six_bits(__m512i v, const uint8_t* p, __m512i& lo, __m512i& hi) {
-  __m512i top_lo, top_hi;
+  const __m512i top = _mm512_set1_epi8(0x30);
   split_nibbles(v, lo, hi);
-  split_top(p, top_lo, top_hi);
-  lo = _mm512_or_si512(lo, _mm512_slli_epi16(top_lo, 4)), hi = _mm512_or_si512(hi, _mm512_slli_epi16(top_hi, 4));
+  lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_sllv_epi64(x, _mm512_setr_epi64(4, 4, 2, 2, 4, 4, 2, 2)), top));
+  hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srlv_epi64(x, _mm512_setr_epi64(0, 0, 2, 2, 0, 0, 2, 2)), top));
 }
 
 inline void interleave(__m512i a0, __m512i b0, __m512i a1, __m512i b1, __m512i out[4]) {
