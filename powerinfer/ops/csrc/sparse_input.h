@@ -80,9 +80,9 @@ inline int64_t q8_slot(int64_t o) {
 
 // Where output o's 6 bits lie in a Q6 run: its low nibble's byte and whether it is the high nibble
 // (a 4-bit run's place, per 128 outputs 96 bytes: 64 of nibbles, then 32 of top bits); the byte of its
-// top two bits and their shift. A 64 outputs' 16 bytes of top bits, broadcast to both 128-bit lanes
-// and shifted right per 64-bit lane by [0, 0, 2, 2] (then [4, 4, 6, 6]) and masked to 2 bits, line up
-// byte by byte with the nibbles' low (then high) halves.
+// top two bits and their shift. A 64 outputs' 16 bytes of top bits, broadcast to both 128-bit lanes,
+// line up byte by byte with the nibbles: byte j of lane 0 holds at bits 0-1 those of nibble byte j's
+// low half and at 4-5 of its high half, byte j of lane 1 at 2-3 and 6-7 those of nibble byte 16 + j.
 struct Q6Slots {
   int64_t low_byte;
   bool high_nibble;
