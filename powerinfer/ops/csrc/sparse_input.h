@@ -23,8 +23,8 @@
 //   file's int8 sc per 16 inputs as two bytes per output and block, its float16 D per output and 256
 //   inputs in a table after the blocks: 26.25 bytes per 32 weights, as the file. The kernels join
 //   the planes into each channel's 6-bit q, which meets the rows' k in `maddubs` as the Q4 runs'
-//   nibbles do. Until it, Q6_K rows were re-quantized to the Q8 form, 34 bytes per 32 weights.) Q6_K is the type of most files' output head and of Q4_K_M's value and
-//   down projections.
+//   nibbles do. Until it, Q6_K rows were re-quantized to the Q8 form, 34 bytes per 32 weights.)
+//   Q6_K is the type of most files' output head and of Q4_K_M's value and down projections.
 //   A projection's matrices go in parts, one form each: consecutive matrices of one form share a
 //   part (a Q4_K_M file's q and k, then its Q6_K v); all parts take the same selection.
 //   Outputs are padded to a multiple of RUN_GROUP (zero weights). Within a run, each 64 outputs of a
@@ -89,10 +89,14 @@ struct Q6Slots {
   int64_t top_byte;
   int top_shift;
 };
+// In a Q6 run, where the 32 bytes of nibbles and the 16 bytes of top bits of outputs [g, g + 64) start
+// (g a multiple of 64).
+inline int64_t q6_nibbles_at(int64_t g) { return g / 128 * 96 + g % 128 / 2; }
+inline int64_t q6_top_at(int64_t g) { return g / 128 * 96 + 64 + g % 128 / 4; }
 inline Q6Slots q6_slots(int64_t o) {
   const auto [byte, high] = q4_slot(o % 64);  // within the 64 outputs' 32 bytes of nibbles
-  const int64_t unit = o / 128 * 96, half = o % 128 / 64;
-  return {unit + 32 * half + byte, high, unit + 64 + 16 * half + byte % 16, static_cast<int>(2 * (byte >= 16) + 4 * high)};
+  const int64_t g = o / 64 * 64;
+  return {q6_nibbles_at(g) + byte, high, q6_top_at(g) + byte % 16, static_cast<int>(2 * (byte >= 16) + 4 * high)};
 }
 
 inline bool four_bit_form(RunForm f) { return f == RunForm::Q4 || f == RunForm::Q4_MIN || f == RunForm::Q4_K; }

@@ -287,11 +287,14 @@ inline void add_q6_outputs(const RunLayout& l, const uint8_t* block, const uint8
   add_scaled(y + o + 16, q[2], q[3], d[2], d[3], row_scale);
 }
 
+// Active channels of a Q6 sub-block per set of int16 sums (see add_q6_piece); a multiple of Q4_GROUP.
+constexpr int32_t Q6_SUM_CHANNELS = 8;
+
 // One of a Q6 piece's two sub-blocks (16 channels each, each with its own scale): its active
-// channels [a, b), and what its last group fetches (the second sub-block's first group, after the
-// first; the next piece's after the second).
+// channels [a, b), the first of them in its second set of sums (split), and what its last group
+// fetches (the second sub-block's first group, after the first; the next piece's after the second).
 struct Q6SubBlock {
-  int32_t a, b;
+  int32_t a, split, b;
   GroupRuns<Q4_GROUP> then;
 };
 
@@ -299,17 +302,17 @@ inline std::array<Q6SubBlock, 2> q6_sub_blocks(const RunLayout& l, const uint8_t
                                                int32_t j1, int64_t c0, int64_t n, const GroupRuns<Q4_GROUP>& after) {
   int32_t mid = j0;
   while (mid < j1 && l.sub_block(s.channel[mid]) == 0) ++mid;
-  return {Q6SubBlock{j0, mid, mid < j1 ? GroupRuns<Q4_GROUP>(l, block, s, mid, j1, c0, n) : after}, Q6SubBlock{mid, j1, after}};
+  const auto split = [](int32_t a, int32_t b) { return std::min(a + Q6_SUM_CHANNELS, b); };
+  return {Q6SubBlock{j0, split(j0, mid), mid, mid < j1 ? GroupRuns<Q4_GROUP>(l, block, s, mid, j1, c0, n) : after},
+          Q6SubBlock{mid, split(mid, j1), j1, after}};
 }
 
-// Active channels of a Q6 sub-block per set of int16 sums (see add_q6_piece); a multiple of Q4_GROUP.
-constexpr int32_t Q6_SUM_CHANNELS = 8;
-
-// Row r's sum of k over channels [a, b) (a Q6 sub-block's).
-inline int32_t k_sum_of(const Selection& s, int32_t a, int32_t b, int r) {
+// Where a set of Q6 sums over channels [a, b) starts for row r: -q_offset times the row's k sum
+// there, so that the set ends at the sum of k (q - q_offset).
+inline int16_t q6_sums_start(const RunLayout& l, const Selection& s, int32_t a, int32_t b, int r) {
   int32_t sum = 0;
   for (int32_t j = a; j < b; ++j) sum += s.k[j * s.rows + r];
-  return sum;
+  return static_cast<int16_t>(-l.q_offset() * sum);
 }
 
 // Q6 runs, R rows, outputs [c0, c0 + chunk) of block i, as the 4-bit kernel: each channel's nibbles
@@ -328,12 +331,11 @@ void add_q6_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
   int16_t* const second_acc = acc + R * chunk;
   const auto sub_blocks = q6_sub_blocks(l, block, s, j0, j1, c0, n, after);
   for (int64_t sub = 0; sub < 2; ++sub) {
-    const auto& [a, b, then] = sub_blocks[sub];
+    const auto& [a, split, b, then] = sub_blocks[sub];
     if (a == b) continue;
-    const int32_t split = std::min(a + Q6_SUM_CHANNELS, b);
     for (int r = 0; r < R; ++r) {
-      const __m256i first = _mm256_set1_epi16(static_cast<int16_t>(-32 * k_sum_of(s, a, split, r)));
-      const __m256i second = _mm256_set1_epi16(static_cast<int16_t>(-32 * k_sum_of(s, split, b, r)));
+      const __m256i first = _mm256_set1_epi16(q6_sums_start(l, s, a, split, r));
+      const __m256i second = _mm256_set1_epi16(q6_sums_start(l, s, split, b, r));
       for (int64_t o = 0; o < n; o += 16) {
         _mm256_store_si256(reinterpret_cast<__m256i*>(acc + r * chunk + o), first);
         _mm256_store_si256(reinterpret_cast<__m256i*>(second_acc + r * chunk + o), second);
@@ -346,15 +348,14 @@ void add_q6_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
       __m256i k[Q4_GROUP / 2][R];
       pair_ks<Q4_GROUP, R, false>(s, j, b, k);
       for (int64_t g = 0; g < n; g += 64) {
-        const int64_t unit = g / 128 * 96, half = g % 128 / 64;
-        if (half == 0) next.fetch_span(unit, unit + 96);
+        if (g % 128 == 0) next.fetch_span(l.run_byte(g), l.run_byte(g + 128));
         if (j + Q4_GROUP >= b) fetch_scales(l, block, table, c0 + g, 64);
         __m256i six[Q4_GROUP / 2][4];
         for (int h = 0; h < Q4_GROUP / 2; ++h) {
-          const uint8_t *w0 = w[2 * h] + unit, *w1 = w[2 * h + 1] + unit;
+          const uint8_t *w0 = w[2 * h], *w1 = w[2 * h + 1];
           __m256i lo0, hi0, lo1, hi1;
-          split_six_bits(_mm256_load_si256(reinterpret_cast<const __m256i*>(w0 + 32 * half)), w0 + 64 + 16 * half, lo0, hi0);
-          split_six_bits(_mm256_load_si256(reinterpret_cast<const __m256i*>(w1 + 32 * half)), w1 + 64 + 16 * half, lo1, hi1);
+          split_six_bits(_mm256_load_si256(reinterpret_cast<const __m256i*>(w0 + q6_nibbles_at(g))), w0 + q6_top_at(g), lo0, hi0);
+          split_six_bits(_mm256_load_si256(reinterpret_cast<const __m256i*>(w1 + q6_nibbles_at(g))), w1 + q6_top_at(g), lo1, hi1);
           interleave(lo0, hi0, lo1, hi1, six[h]);
         }
         for (int r = 0; r < R; ++r) add_two_pairs(sums + r * chunk + g, six[0], six[1], k[0][r], k[1][r]);
@@ -463,12 +464,11 @@ void dequantize_block(const RunLayout& l, const uint8_t* runs, int64_t b, int64_
           store_values(row + 8 * r, _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * r))), d[0][r], m[0][r]);
         continue;
       }
-      // Q6: the nibbles at the 64 outputs' place in their 96-byte unit, their top bits after (q6_slots)
-      const uint8_t* nibbles_at = l.form == RunForm::Q6 ? run + g / 128 * 96 + g % 128 / 2 : run + g / 2;
+      const uint8_t* nibbles_at = l.form == RunForm::Q6 ? run + q6_nibbles_at(g) : run + g / 2;
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles_at));
       __m256i values[2];  // at the nibbles' low places, then their high places
       if (l.form == RunForm::Q6)
-        split_six_bits(v, run + g / 128 * 96 + 64 + g % 128 / 4, values[0], values[1]);
+        split_six_bits(v, run + q6_top_at(g), values[0], values[1]);
       else
         split_nibbles(v, values[0], values[1]);
       // low nibbles: even bytes outputs 0..15, odd 16..31; high nibbles: 32.. and 48.. (q4_slot)
@@ -716,12 +716,11 @@ void add_q6_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
   int16_t* const second_acc = acc + R * chunk;
   const auto sub_blocks = q6_sub_blocks(l, block, s, j0, j1, c0, n, after);
   for (int64_t sub = 0; sub < 2; ++sub) {
-    const auto& [a, b, then] = sub_blocks[sub];
+    const auto& [a, split, b, then] = sub_blocks[sub];
     if (a == b) continue;
-    const int32_t split = std::min(a + Q6_SUM_CHANNELS, b);
     for (int r = 0; r < R; ++r) {
-      const __m512i first = _mm512_set1_epi16(static_cast<int16_t>(-32 * k_sum_of(s, a, split, r)));
-      const __m512i second = _mm512_set1_epi16(static_cast<int16_t>(-32 * k_sum_of(s, split, b, r)));
+      const __m512i first = _mm512_set1_epi16(q6_sums_start(l, s, a, split, r));
+      const __m512i second = _mm512_set1_epi16(q6_sums_start(l, s, split, b, r));
       for (int64_t o = 0; o < n; o += 32) {
         _mm512_store_si512(acc + r * chunk + o, first);
         _mm512_store_si512(second_acc + r * chunk + o, second);
@@ -735,15 +734,14 @@ void add_q6_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
       for (int h = 0; h < Q4_GROUP / 2; ++h)
         for (int r = 0; r < R; ++r) k[h][r] = _mm512_set1_epi16(byte_pair(s, j + 2 * h, b, r));
       for (int64_t g = 0; g < n; g += 128) {
-        const int64_t unit = g / 128 * 96;
-        next.fetch_span(unit, unit + 96);
+        next.fetch_span(l.run_byte(g), l.run_byte(g + 128));
         if (j + Q4_GROUP >= b) fetch_scales(l, block, table, c0 + g, 128);
         __m512i six[Q4_GROUP / 2][4];
-        for (int h = 0; h < Q4_GROUP / 2; ++h) {
-          const uint8_t *w0 = w[2 * h] + unit, *w1 = w[2 * h + 1] + unit;
+        for (int h = 0; h < Q4_GROUP / 2; ++h) {  // a 128 outputs' 64 bytes of nibbles, then 32 of top bits
+          const uint8_t *w0 = w[2 * h], *w1 = w[2 * h + 1];
           __m512i lo0, hi0, lo1, hi1;
-          split_six_bits(_mm512_loadu_si512(w0), w0 + 64, lo0, hi0);
-          split_six_bits(_mm512_loadu_si512(w1), w1 + 64, lo1, hi1);
+          split_six_bits(_mm512_loadu_si512(w0 + q6_nibbles_at(g)), w0 + q6_top_at(g), lo0, hi0);
+          split_six_bits(_mm512_loadu_si512(w1 + q6_nibbles_at(g)), w1 + q6_top_at(g), lo1, hi1);
           interleave(lo0, hi0, lo1, hi1, six[h]);
         }
         for (int r = 0; r < R; ++r) add_two_pairs(sums + r * chunk + g, six[0], six[1], k[0][r], k[1][r]);
