@@ -138,6 +138,15 @@ inline BlockPiece piece_of(const RunLayout& l, const uint8_t* runs, const Select
           &s.scale[i * R], &s.k_sum[i * R], std::min(chunk, l.padded - c0)};
 }
 
+// A copy of `l` whose form the compiler knows: a piece kernel made for one form then folds its tests
+// of the form (has_min, byte_scales, d_at...) away instead of branching on them per 16 outputs.
+template <RunForm F>
+inline RunLayout with_form(const RunLayout& l) {
+  RunLayout fixed = l;
+  fixed.form = F;
+  return fixed;
+}
+
 // Row r's k of channel c, 0 past j1.
 inline int8_t k_of(const Selection& s, int32_t c, int32_t j1, int r) { return c < j1 ? s.k[c * s.rows + r] : 0; }
 
@@ -234,9 +243,10 @@ inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, const uint8
 // one `_mm256_maddubs_epi16` by the byte pairs [k_j, k_j+1] of a row sums both channels' products for
 // 16 outputs; the unpacking is shared by the rows. acc: per row the chunk's int16 sums, in slot order
 // (see in_order).
-template <int R>
-void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
+template <int R, RunForm F>
+void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc) {
+  const RunLayout l = with_form<F>(layout);
   const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   for (int r = 0; r < R; ++r) {
     const __m256i init = _mm256_set1_epi16(static_cast<int16_t>(-8 * k_sum[r]));  // wraps: the sums fit int16
@@ -325,8 +335,9 @@ inline int16_t q6_sums_start(const RunLayout& l, const Selection& s, int32_t a, 
 // took two multiply-adds per row: four rows ran at 0.70x the dense rows against 0.79-0.95x with
 // Q6_K re-quantized to Q8 runs.) acc: per row the chunk's first sums, then per row its second.
 template <int R>
-void add_q6_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
+void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc) {
+  const RunLayout l = with_form<RunForm::Q6>(layout);
   const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   int16_t* const second_acc = acc + R * chunk;
   const auto sub_blocks = q6_sub_blocks(l, block, s, j0, j1, c0, n, after);
@@ -384,9 +395,10 @@ inline void q8_in_order(__m256i a, __m256i b, __m256i& first, __m256i& second) {
 // one `_mm256_madd_epi16`. acc: per row the chunk's sums, in slot order (see q8_in_order).
 // VNNI: AVX-VNNI's vpdpwssd does each madd and its add in one instruction (the same int32 sums).
 template <int R, bool VNNI = false>
-void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
+void add_q8_piece(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   const GroupRuns<Q8_GROUP>& after, float* y, int32_t* acc) {
   constexpr int P = Q8_GROUP / 2;
+  const RunLayout l = with_form<RunForm::Q8>(layout);
   const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   std::fill(acc, acc + R * chunk, 0);
   for (int32_t j = j0; j < j1; j += Q8_GROUP) {
@@ -522,7 +534,7 @@ using Q4Piece = void (*)(const RunLayout& l, const uint8_t* runs, const Selectio
                          int64_t chunk, const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc);
 
 // PLANES: sets of int16 sums per output and row (Q6: two, see add_q6_piece).
-template <int R, Q4Piece piece = add_q4_piece<R>, int PLANES = 1>
+template <int R, Q4Piece piece, int PLANES = 1>
 void add_q4_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
   alignas(64) int16_t acc[Q4_SUMS];
   constexpr int64_t chunk = Q4_SUMS / (PLANES * R) / RUN_GROUP * RUN_GROUP;
@@ -539,10 +551,15 @@ void add_q4_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, 
 // R rows' blocks with the form's kernel (Q8 with AVX-VNNI where it is on).
 template <int R>
 void add_form_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
-  if (l.four_bit()) return add_q4_blocks<R>(l, runs, s, i0, i1, y);
-  if (l.form == RunForm::Q6) return add_q4_blocks<R, add_q6_piece<R>, 2>(l, runs, s, i0, i1, y);
-  if (avx_vnni_active()) return add_q8_blocks<R, add_q8_piece<R, true>>(l, runs, s, i0, i1, y);
-  add_q8_blocks<R>(l, runs, s, i0, i1, y);
+  switch (l.form) {
+    case RunForm::Q4: return add_q4_blocks<R, add_q4_piece<R, RunForm::Q4>>(l, runs, s, i0, i1, y);
+    case RunForm::Q4_MIN: return add_q4_blocks<R, add_q4_piece<R, RunForm::Q4_MIN>>(l, runs, s, i0, i1, y);
+    case RunForm::Q4_K: return add_q4_blocks<R, add_q4_piece<R, RunForm::Q4_K>>(l, runs, s, i0, i1, y);
+    case RunForm::Q6: return add_q4_blocks<R, add_q6_piece<R>, 2>(l, runs, s, i0, i1, y);
+    case RunForm::Q8:
+      if (avx_vnni_active()) return add_q8_blocks<R, add_q8_piece<R, true>>(l, runs, s, i0, i1, y);
+      return add_q8_blocks<R>(l, runs, s, i0, i1, y);
+  }
 }
 
 void add_runs(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
@@ -651,10 +668,11 @@ inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, const uint8
 // step, each 256-bit half of a vector what the AVX2 kernel computes for 64 of them. acc: per row and
 // 128 outputs, the AVX2 kernel's four int16 vectors of the first 64 (a0..a3) and of the next 64 (b0..b3)
 // stored as a0 b0 a1 b1 a2 b2 a3 b3.
-template <int R>
-void add_q4_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
+template <int R, RunForm F>
+void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   const avx2::GroupRuns<avx2::Q4_GROUP>& after, float* y, int16_t* acc) {
   using namespace avx2;
+  const RunLayout l = with_form<F>(layout);
   const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   for (int r = 0; r < R; ++r) {
     const __m512i init = _mm512_set1_epi16(static_cast<int16_t>(-8 * k_sum[r]));  // wraps: the sums fit int16
@@ -709,9 +727,10 @@ inline void add_q6_outputs(const RunLayout& l, const uint8_t* block, const uint8
 // each 256-bit half of a vector what the AVX2 kernel computes for 64 of them (the top bits' 32 bytes
 // as [first 16, first 16, next 16, next 16] by 128-bit lane). acc as add_q4_piece's, per set of sums.
 template <int R>
-void add_q6_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
+void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   const avx2::GroupRuns<avx2::Q4_GROUP>& after, float* y, int16_t* acc) {
   using namespace avx2;
+  const RunLayout l = with_form<RunForm::Q6>(layout);
   const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   int16_t* const second_acc = acc + R * chunk;
   const auto sub_blocks = q6_sub_blocks(l, block, s, j0, j1, c0, n, after);
@@ -759,10 +778,11 @@ void add_q6_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
 // sums of a row are two vectors in slot order [0 8 1 9 | 4 12 5 13 | 16 24 17 25 | 20 28 21 29] and
 // [2 10 3 11 | 6 14 7 15 | 18 26 19 27 | 22 30 23 31] (a pair's int16 interleaved per 128-bit lane).
 template <int R>
-void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
+void add_q8_piece(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   const avx2::GroupRuns<avx2::Q8_GROUP>& after, float* y, int32_t* acc) {
   using namespace avx2;
   constexpr int P = Q8_GROUP / 2;
+  const RunLayout l = with_form<RunForm::Q8>(layout);
   const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   std::fill(acc, acc + R * chunk, 0);
   for (int32_t j = j0; j < j1; j += Q8_GROUP) {
@@ -815,9 +835,13 @@ void add_q8_piece(const RunLayout& l, const uint8_t* runs, const Selection& s, i
 template <int R>
 void add_form_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
   using avx2::add_q4_blocks, avx2::add_q8_blocks;
-  if (l.four_bit()) return add_q4_blocks<R, add_q4_piece<R>>(l, runs, s, i0, i1, y);
-  if (l.form == RunForm::Q6) return add_q4_blocks<R, add_q6_piece<R>, 2>(l, runs, s, i0, i1, y);
-  add_q8_blocks<R, add_q8_piece<R>>(l, runs, s, i0, i1, y);
+  switch (l.form) {
+    case RunForm::Q4: return add_q4_blocks<R, add_q4_piece<R, RunForm::Q4>>(l, runs, s, i0, i1, y);
+    case RunForm::Q4_MIN: return add_q4_blocks<R, add_q4_piece<R, RunForm::Q4_MIN>>(l, runs, s, i0, i1, y);
+    case RunForm::Q4_K: return add_q4_blocks<R, add_q4_piece<R, RunForm::Q4_K>>(l, runs, s, i0, i1, y);
+    case RunForm::Q6: return add_q4_blocks<R, add_q6_piece<R>, 2>(l, runs, s, i0, i1, y);
+    case RunForm::Q8: return add_q8_blocks<R, add_q8_piece<R>>(l, runs, s, i0, i1, y);
+  }
 }
 
 }  // namespace
