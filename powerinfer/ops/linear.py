@@ -31,9 +31,11 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
 
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
+from powerinfer.ops.huge_pages import hugepage_buffer
 from powerinfer.ops.quant import (
     BLOCK_TYPES,
     FLOAT_TYPES,
@@ -279,7 +281,12 @@ def pack_quant(tensors: Sequence[GGUFTensor], release_pages: Callable[[], None] 
     parts = [part for t in tensors for part in _repack_slices(t, ops.QUANT_COLS)] if release_pages else list(tensors)
     sliced, packed = len(parts) > len(tensors), []
     for part in parts:
-        packed.append(ops.quant_repack(mapped_tensor(part.rows_as_bytes()), int(part.ggml_type)))
+        raw = mapped_tensor(part.rows_as_bytes())
+        n_chunks = -(-raw.shape[0] // ops.QUANT_COLS)
+        n_blocks = raw.shape[1] // GGML_QUANT_SIZES[part.ggml_type][1]
+        # the tensor keeps its mapping (torch.frombuffer holds a reference)
+        destination, _ = hugepage_buffer(n_chunks * n_blocks * ops.quant_chunk_bytes(int(part.ggml_type)))
+        packed.append(ops.quant_repack(raw, int(part.ggml_type), destination))
         if sliced:
             release_pages()
     return QuantLinear(ops.QuantProjection(packed, [int(t.ggml_type) for t in parts], [t.shape[0] for t in parts]))

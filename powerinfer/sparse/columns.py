@@ -28,9 +28,9 @@ import torch
 
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
+from powerinfer.ops.huge_pages import hugepage_buffer
 from powerinfer.ops.linear import Linear, mapped_tensor, slice_bounds
 from powerinfer.ops.quant import T, dequantize_rows
-from powerinfer.sparse.neurons import hugepage_buffer
 from powerinfer.sparse.select import kept
 
 # Calls with more rows than this take the prefill path: a linear with few outputs then reads every

@@ -49,7 +49,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "GGML type ids kept in their blocks by QuantProjection and the neuron records");
   m.def("quant_chunk_bytes", &quant_chunk_bytes, "bytes per 16 outputs and block of a type in QuantProjection's layout");
   m.attr("QUANT_COLS") = COLS;
-  m.def("quant_repack", &quant_repack, "raw GGML rows [rows, bytes] -> QuantProjection's layout", no_gil);
+  m.def("quant_repack", &quant_repack,
+        "raw GGML rows [rows, bytes] -> QuantProjection's layout, written into the destination (uint8 of its bytes)", no_gil);
 
   py::class_<Projection, ProjectionPtr>(m, "Projection").def("__call__", &Projection::operator(), no_gil);
   py::class_<Int4Projection, Projection, std::shared_ptr<Int4Projection>>(m, "Int4Projection")

@@ -37,8 +37,10 @@ struct QuantProjection : Projection {
   torch::Tensor operator()(const torch::Tensor& x) const override;
 };
 
-// raw uint8 [rows, bytes per row] of a GGML block type -> its packed layout (quant_matmul.h).
-torch::Tensor quant_repack(const torch::Tensor& raw, int64_t type);
+// raw uint8 [rows, bytes per row] of a GGML block type -> its packed layout (quant_matmul.h), written
+// into `destination` (contiguous uint8 of the packed bytes: the caller's memory, e.g. on huge pages)
+// and returned as [chunks of COLS rows, blocks, chunk bytes].
+torch::Tensor quant_repack(const torch::Tensor& raw, int64_t type, const torch::Tensor& destination);
 
 // The chunk bytes of the packed layout per block of `type` (for byte counts in Python).
 int64_t quant_chunk_bytes(int64_t type);

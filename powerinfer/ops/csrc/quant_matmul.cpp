@@ -40,13 +40,16 @@ void pack_chunk(const BlockFormat& f, const PackedLayout& l, const uint8_t* cons
 
 }  // namespace
 
-torch::Tensor quant_repack(const torch::Tensor& raw, int64_t type) {
+torch::Tensor quant_repack(const torch::Tensor& raw, int64_t type, const torch::Tensor& destination) {
   const BlockFormat& f = block_format(type);
   TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.size(1) % f.bytes == 0, "raw rows must be uint8 [rows, k * ", f.bytes, "]");
   const auto rows = raw.contiguous();
   const PackedLayout l = packed_layout(f);
   const int64_t n_rows = rows.size(0), n_blocks = rows.size(1) / f.bytes, row_bytes = rows.size(1);
-  auto out = torch::empty({(n_rows + COLS - 1) / COLS, n_blocks, l.bytes}, rows.options());
+  const int64_t n_chunks = (n_rows + COLS - 1) / COLS;
+  TORCH_CHECK(destination.dtype() == torch::kUInt8 && destination.is_contiguous() && destination.numel() == n_chunks * n_blocks * l.bytes,
+              "the destination must be contiguous uint8 of the packed matrix's bytes (", n_chunks * n_blocks * l.bytes, ")");
+  auto out = destination.view({n_chunks, n_blocks, l.bytes});
   const uint8_t* src = rows.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, out.size(0), 1, [&](int64_t begin, int64_t end) {
