@@ -31,7 +31,6 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES
 
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops import native
@@ -282,10 +281,8 @@ def pack_quant(tensors: Sequence[GGUFTensor], release_pages: Callable[[], None] 
     sliced, packed = len(parts) > len(tensors), []
     for part in parts:
         raw = mapped_tensor(part.rows_as_bytes())
-        n_chunks = -(-raw.shape[0] // ops.QUANT_COLS)
-        n_blocks = raw.shape[1] // GGML_QUANT_SIZES[part.ggml_type][1]
         # the tensor keeps its mapping (torch.frombuffer holds a reference)
-        destination, _ = hugepage_buffer(n_chunks * n_blocks * ops.quant_chunk_bytes(int(part.ggml_type)))
+        destination, _ = hugepage_buffer(ops.quant_packed_bytes(int(part.ggml_type), *raw.shape))
         packed.append(ops.quant_repack(raw, int(part.ggml_type), destination))
         if sliced:
             release_pages()

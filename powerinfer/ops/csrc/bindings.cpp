@@ -47,7 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     for (const BlockFormat& f : BLOCK_FORMATS) types.push_back(static_cast<int64_t>(f.type));
     return types;
   }, "GGML type ids kept in their blocks by QuantProjection and the neuron records");
-  m.def("quant_chunk_bytes", &quant_chunk_bytes, "bytes per 16 outputs and block of a type in QuantProjection's layout");
+  m.def("quant_packed_bytes", &quant_packed_bytes, "bytes of quant_repack's output for (type, rows, bytes per row)");
   m.attr("QUANT_COLS") = COLS;
   m.def("quant_repack", &quant_repack,
         "raw GGML rows [rows, bytes] -> QuantProjection's layout, written into the destination (uint8 of its bytes)", no_gil);

@@ -42,7 +42,7 @@ struct QuantProjection : Projection {
 // and returned as [chunks of COLS rows, blocks, chunk bytes].
 torch::Tensor quant_repack(const torch::Tensor& raw, int64_t type, const torch::Tensor& destination);
 
-// The chunk bytes of the packed layout per block of `type` (for byte counts in Python).
-int64_t quant_chunk_bytes(int64_t type);
+// Bytes of quant_repack's output for `rows` raw rows of `row_bytes` each of GGML `type`.
+int64_t quant_packed_bytes(int64_t type, int64_t rows, int64_t row_bytes);
 
 }  // namespace powerinfer

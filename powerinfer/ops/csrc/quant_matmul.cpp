@@ -10,7 +10,11 @@
 
 namespace powerinfer {
 
-int64_t quant_chunk_bytes(int64_t type) { return packed_layout(block_format(type)).bytes; }
+int64_t quant_packed_bytes(int64_t type, int64_t rows, int64_t row_bytes) {
+  const BlockFormat& f = block_format(type);
+  TORCH_CHECK(rows >= 0 && row_bytes % f.bytes == 0, "raw rows must be whole blocks of ", f.bytes, " bytes");
+  return (rows + COLS - 1) / COLS * (row_bytes / f.bytes) * packed_layout(f).bytes;
+}
 
 namespace {
 
@@ -46,10 +50,10 @@ torch::Tensor quant_repack(const torch::Tensor& raw, int64_t type, const torch::
   const auto rows = raw.contiguous();
   const PackedLayout l = packed_layout(f);
   const int64_t n_rows = rows.size(0), n_blocks = rows.size(1) / f.bytes, row_bytes = rows.size(1);
-  const int64_t n_chunks = (n_rows + COLS - 1) / COLS;
-  TORCH_CHECK(destination.dtype() == torch::kUInt8 && destination.is_contiguous() && destination.numel() == n_chunks * n_blocks * l.bytes,
-              "the destination must be contiguous uint8 of the packed matrix's bytes (", n_chunks * n_blocks * l.bytes, ")");
-  auto out = destination.view({n_chunks, n_blocks, l.bytes});
+  const int64_t bytes = quant_packed_bytes(type, n_rows, row_bytes);
+  TORCH_CHECK(destination.dtype() == torch::kUInt8 && destination.is_contiguous() && destination.numel() == bytes,
+              "the destination must be contiguous uint8 of the packed matrix's bytes (", bytes, ")");
+  auto out = destination.view({(n_rows + COLS - 1) / COLS, n_blocks, l.bytes});
   const uint8_t* src = rows.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, out.size(0), 1, [&](int64_t begin, int64_t end) {
