@@ -7,7 +7,10 @@
 //   byte pairs sums both channels' products for 16 outputs.
 //   Q8: the same, eight channels at a time, with int32 sums: both channels' bytes of a pair
 //   sign-extended to int16 and interleaved meet a row's [k_j, k_j+1] in one `_mm256_madd_epi16`.
-// Then the sums meet the block's scales once per output, into the rows' float sums of the chunk.
+// Then the sums meet the block's scales once per output: the Q4 form's in integers (`madd` by its scale
+// bytes, which its layout keeps in the sums' order), as floats times the row's scale into the
+// super-block's sums, which its float16 D multiplies once (SuperBlockSums); the other forms' as
+// floats, into the rows' float sums of the chunk.
 // Measured on the 7B shapes (AMD EPYC Zen 3, 2 threads, one row, from memory, a block's four linears
 // Q4_0): channels one pair per pass over the sums ran at 0.70x the dense kernel with nothing skipped,
 // 1.04x at 40 %, 1.17x at 50 %; two pairs per pass 0.95x, 1.32-1.39x, 1.54-1.59x; four pairs alike
@@ -21,6 +24,7 @@
 
 #include <algorithm>
 #include <array>
+#include <vector>
 
 #include "avx2_lanes.h"
 
@@ -238,6 +242,56 @@ inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, const uint8
   }
 }
 
+// Where a piece's block lies in its super-block (QK_K inputs), and the float sums the Q4 form gathers
+// over the super-block (per row `padded` outputs, kept between the pieces of a call): each block adds
+// its int16 sums times its scale bytes, in integers, times the row's scale, and the super-block's
+// float16 D multiplies them once, after its last block (before, every block converted D and its bytes
+// to floats for every output: with nothing in the way of the memory, that step took about 40 % of a
+// Q4_0 linear's time).
+struct SuperBlockSums {
+  float* sums;  // null: not the Q4 form
+  bool first, last;
+};
+
+// The even and the odd int16 lanes of each int32 lane: a vector of scales so masked, `madd` by a
+// vector of int16 sums, gives the products of the even (or odd) lanes as int32.
+inline __m256i even_lanes(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)); }
+inline __m256i odd_lanes(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))); }
+
+// A Q4 block's int16 sums of n outputs (slot order, per 64 four vectors of 16) times its scale bytes
+// (the same order: q4_scale_slot) times the row's scale, into the super-block's sums `into` (on its
+// first block, in place of them): per 64 outputs and vector u, 8 floats of the even lanes, 8 of the odd.
+inline void add_to_super_block(const uint8_t* scales, const int16_t* sums, int64_t n, float scale, bool first,
+                               float* into) {
+  const __m256 row_scale = _mm256_set1_ps(scale);
+  for (int64_t g = 0; g < n; g += 64)
+    for (int u = 0; u < 4; ++u) {
+      const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g + 16 * u)));
+      const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums + g + 16 * u));
+      const __m256 even = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, even_lanes(sc)));
+      const __m256 odd = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, odd_lanes(sc)));
+      float* a = into + g + 16 * u;
+      _mm256_storeu_ps(a, first ? _mm256_mul_ps(even, row_scale) : _mm256_fmadd_ps(even, row_scale, _mm256_loadu_ps(a)));
+      _mm256_storeu_ps(a + 8, first ? _mm256_mul_ps(odd, row_scale) : _mm256_fmadd_ps(odd, row_scale, _mm256_loadu_ps(a + 8)));
+    }
+}
+
+// y[c0 .. c0 + n) += a super-block's sums of those outputs (add_to_super_block's order) times its D:
+// per 32 outputs, the even and the odd lanes of the two vectors of 16 into output order (as in_order).
+inline void add_super_block(const RunLayout& l, const uint8_t* table, int64_t c0, int64_t n, const float* sums, float* y) {
+  for (int64_t g = 0; g < n; g += 32) {
+    const float* a = sums + g;  // vector 2h at a, 2h + 1 at a + 16 (h = g % 64 / 32)
+    const __m256 lo_even = _mm256_loadu_ps(a), lo_odd = _mm256_loadu_ps(a + 8);
+    const __m256 hi_even = _mm256_loadu_ps(a + 16), hi_odd = _mm256_loadu_ps(a + 24);
+    const __m256 q[4] = {_mm256_permute2f128_ps(lo_even, hi_even, 0x20), _mm256_permute2f128_ps(lo_even, hi_even, 0x31),
+                         _mm256_permute2f128_ps(lo_odd, hi_odd, 0x20), _mm256_permute2f128_ps(lo_odd, hi_odd, 0x31)};
+    for (int h = 0; h < 4; ++h) {
+      float* at = y + c0 + g + 8 * h;
+      _mm256_storeu_ps(at, _mm256_fmadd_ps(q[h], halves(table + l.table_d_at(c0 + g + 8 * h)), _mm256_loadu_ps(at)));
+    }
+  }
+}
+
 // 4-bit runs, R rows, outputs [c0, c0 + chunk) of block i. Channels go Q4_GROUP at a time, in pairs:
 // a pair's nibbles interleaved byte by byte (channel j, channel j + 1 for the same output), so that
 // one `_mm256_maddubs_epi16` by the byte pairs [k_j, k_j+1] of a row sums both channels' products for
@@ -245,7 +299,7 @@ inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, const uint8
 // (see in_order).
 template <int R, RunForm F>
 void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
-                  const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc) {
+                  const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc, const SuperBlockSums& super) {
   const RunLayout l = with_form<F>(layout);
   const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   for (int r = 0; r < R; ++r) {
@@ -269,6 +323,15 @@ void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
       }
       for (int r = 0; r < R; ++r) add_two_pairs(acc + r * chunk + g, both[0], both[1], k[0][r], k[1][r]);
     }
+  }
+  if constexpr (F == RunForm::Q4) {
+    for (int r = 0; r < R; ++r) {
+      float* sums = super.sums + r * l.padded + c0;
+      if (super.first || scale[r] != 0.0f)  // 0: nothing of this row in the block
+        add_to_super_block(block + l.d_at(c0), acc + r * chunk, n, scale[r], super.first, sums);
+      if (super.last) add_super_block(l, table, c0, n, sums, y + r * l.padded);
+    }
+    return;
   }
   for (int r = 0; r < R; ++r) {
     if (scale[r] == 0.0f) continue;  // nothing of this row in the block
@@ -336,7 +399,7 @@ inline int16_t q6_sums_start(const RunLayout& l, const Selection& s, int32_t a, 
 // Q6_K re-quantized to Q8 runs.) acc: per row the chunk's first sums, then per row its second.
 template <int R>
 void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
-                  const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc) {
+                  const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc, const SuperBlockSums&) {
   const RunLayout l = with_form<RunForm::Q6>(layout);
   const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   int16_t* const second_acc = acc + R * chunk;
@@ -456,9 +519,13 @@ void dequantize_block(const RunLayout& l, const uint8_t* runs, int64_t b, int64_
   const __m256 offset = _mm256_set1_ps(-static_cast<float>(l.q_offset()));
   for (int64_t g = o0; g < whole; g += 64) {
     __m256 d[2][8], m[2][8];  // per sub-block (Q6: per 16 channels)
+    alignas(8) uint8_t in_order[64];  // the Q4 form's scale bytes of the 64 outputs in output order
+    if (l.form == RunForm::Q4)
+      for (int64_t o = 0; o < 64; ++o) in_order[o] = block[l.d_at(g + o)];
     for (int64_t sub = 0; sub < l.sub_blocks(); ++sub)
       for (int r = 0; r < 8; ++r) {
-        d[sub][r] = q4_scale(l, block + l.d_at(g + 8 * r, sub), table + l.table_d_at(g + 8 * r));
+        const uint8_t* scale_bytes = l.form == RunForm::Q4 ? in_order + 8 * r : block + l.d_at(g + 8 * r, sub);
+        d[sub][r] = q4_scale(l, scale_bytes, table + l.table_d_at(g + 8 * r));
         m[sub][r] = l.has_min() ? q4_scale(l, block + l.m_at(g + 8 * r), table + l.table_m_at(g + 8 * r))
                                 : _mm256_mul_ps(offset, d[sub][r]);
       }
@@ -531,19 +598,26 @@ void add_q8_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, 
 // order (chunk by chunk over the blocks, each piece a new stream: measured 1.1-1.3x slower on a
 // 4096 -> 22016 Q4_0 linear, one row, 40-50 % skipped).
 using Q4Piece = void (*)(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0,
-                         int64_t chunk, const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc);
+                         int64_t chunk, const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc,
+                         const SuperBlockSums& super);
 
 // PLANES: sets of int16 sums per output and row (Q6: two, see add_q6_piece).
 template <int R, Q4Piece piece, int PLANES = 1>
 void add_q4_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
   alignas(64) int16_t acc[Q4_SUMS];
   constexpr int64_t chunk = Q4_SUMS / (PLANES * R) / RUN_GROUP * RUN_GROUP;
-  for (int64_t i = i0; i < i1; ++i)
+  thread_local std::vector<float> super_sums;  // kept between calls: no fresh pages per call
+  if (l.form == RunForm::Q4 && super_sums.size() < static_cast<size_t>(R * l.padded)) super_sums.resize(R * l.padded);
+  const auto super_block = [&](int64_t i) { return l.super_block(s.blocks[i]); };
+  for (int64_t i = i0; i < i1; ++i) {
+    const SuperBlockSums super{l.form == RunForm::Q4 ? super_sums.data() : nullptr,
+                               i == i0 || super_block(i - 1) != super_block(i), i + 1 == i1 || super_block(i + 1) != super_block(i)};
     for (int64_t c0 = 0; c0 < l.padded; c0 += chunk) {
       const auto after = c0 + chunk < l.padded ? first_group<Q4_GROUP>(l, runs, s, i, i1, c0 + chunk, chunk)
                                                : first_group<Q4_GROUP>(l, runs, s, i + 1, i1, 0, chunk);
-      piece(l, runs, s, i, c0, chunk, after, y, acc);
+      piece(l, runs, s, i, c0, chunk, after, y, acc, super);
     }
+  }
 }
 
 }  // namespace
@@ -664,13 +738,51 @@ inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, const uint8
   }
 }
 
+// As avx2::add_to_super_block, 128 outputs a step: vector v of the sums holds the AVX2 kernel's vector v
+// of the first 64 outputs and of the next 64, so its scales are those two vectors' 16 bytes.
+inline void add_to_super_block(const uint8_t* scales, const int16_t* sums, int64_t n, float scale, bool first,
+                               float* into) {
+  const __m512i even_lanes = _mm512_set1_epi32(0xFFFF), odd_lanes = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m512 row_scale = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < n; g += 128)
+    for (int v = 0; v < 4; ++v) {
+      const __m512i sc = _mm512_cvtepi8_epi16(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(scales + g + 64 + 16 * v),
+                                                                  reinterpret_cast<const __m128i*>(scales + g + 16 * v)));
+      const __m512i s = _mm512_load_si512(sums + g + 32 * v);
+      const __m512 even = _mm512_cvtepi32_ps(_mm512_madd_epi16(s, _mm512_and_si512(sc, even_lanes)));
+      const __m512 odd = _mm512_cvtepi32_ps(_mm512_madd_epi16(s, _mm512_and_si512(sc, odd_lanes)));
+      float* a = into + g + 32 * v;
+      _mm512_storeu_ps(a, first ? _mm512_mul_ps(even, row_scale) : _mm512_fmadd_ps(even, row_scale, _mm512_loadu_ps(a)));
+      _mm512_storeu_ps(a + 16, first ? _mm512_mul_ps(odd, row_scale) : _mm512_fmadd_ps(odd, row_scale, _mm512_loadu_ps(a + 16)));
+    }
+}
+
+// As avx2::add_super_block, 128 outputs a step, into output order as sums_in_order does.
+inline void add_super_block(const RunLayout& l, const uint8_t* table, int64_t c0, int64_t n, const float* sums, float* y) {
+  const __m512i low_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i high_half = _mm512_add_epi32(low_half, _mm512_set1_epi32(8));
+  for (int64_t g = 0; g < n; g += 128)
+    for (int u = 0; u < 4; u += 2) {
+      const float* a = sums + g + 32 * u;  // vector u: even lanes, odd lanes; then vector u + 1
+      const __m512 even_a = _mm512_loadu_ps(a), odd_a = _mm512_loadu_ps(a + 16);
+      const __m512 even_b = _mm512_loadu_ps(a + 32), odd_b = _mm512_loadu_ps(a + 48);
+      const __m512 in_order[4] = {_mm512_permutex2var_ps(even_a, low_half, even_b), _mm512_permutex2var_ps(odd_a, low_half, odd_b),
+                                  _mm512_permutex2var_ps(even_a, high_half, even_b), _mm512_permutex2var_ps(odd_a, high_half, odd_b)};
+      for (int v = 0; v < 4; ++v) {
+        const int64_t at = in_order_output(c0 + g, u, v);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(table + l.table_d_at(at))));
+        _mm512_storeu_ps(y + at, _mm512_fmadd_ps(in_order[v], d, _mm512_loadu_ps(y + at)));
+      }
+    }
+}
+
 // 4-bit runs, R rows, outputs [c0, c0 + chunk) of block i (see avx2::add_q4_piece): 128 outputs per
 // step, each 256-bit half of a vector what the AVX2 kernel computes for 64 of them. acc: per row and
 // 128 outputs, the AVX2 kernel's four int16 vectors of the first 64 (a0..a3) and of the next 64 (b0..b3)
 // stored as a0 b0 a1 b1 a2 b2 a3 b3.
 template <int R, RunForm F>
 void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
-                  const avx2::GroupRuns<avx2::Q4_GROUP>& after, float* y, int16_t* acc) {
+                  const avx2::GroupRuns<avx2::Q4_GROUP>& after, float* y, int16_t* acc, const avx2::SuperBlockSums& super) {
   using namespace avx2;
   const RunLayout l = with_form<F>(layout);
   const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
@@ -696,6 +808,15 @@ void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
       }
       for (int r = 0; r < R; ++r) add_two_pairs(acc + r * chunk + g, both[0], both[1], k[0][r], k[1][r]);
     }
+  }
+  if constexpr (F == RunForm::Q4) {
+    for (int r = 0; r < R; ++r) {
+      float* sums = super.sums + r * l.padded + c0;
+      if (super.first || scale[r] != 0.0f)  // 0: nothing of this row in the block
+        add_to_super_block(block + l.d_at(c0), acc + r * chunk, n, scale[r], super.first, sums);
+      if (super.last) add_super_block(l, table, c0, n, sums, y + r * l.padded);
+    }
+    return;
   }
   for (int r = 0; r < R; ++r) {
     if (scale[r] == 0.0f) continue;  // nothing of this row in the block
@@ -728,7 +849,7 @@ inline void add_q6_outputs(const RunLayout& l, const uint8_t* block, const uint8
 // as [first 16, first 16, next 16, next 16] by 128-bit lane). acc as add_q4_piece's, per set of sums.
 template <int R>
 void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
-                  const avx2::GroupRuns<avx2::Q4_GROUP>& after, float* y, int16_t* acc) {
+                  const avx2::GroupRuns<avx2::Q4_GROUP>& after, float* y, int16_t* acc, const avx2::SuperBlockSums&) {
   using namespace avx2;
   const RunLayout l = with_form<RunForm::Q6>(layout);
   const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
