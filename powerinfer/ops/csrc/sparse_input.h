@@ -11,7 +11,7 @@
 // threads split the input blocks, not the outputs.
 //   Forms: Q4 (Q4_0 rows: 4-bit q, w = d (q - 8), d = D sc: per output and 256 inputs a float16 D =
 //   their largest |d| / 127 in a table after the blocks, per block a signed byte sc (each 64 outputs'
-//   bytes in the kernels' order of sums: q4_scale_slot): 17.25 bytes per 32
+//   bytes in the kernels' order of sums, as every form's scale bytes: q4_scale_slot): 17.25 bytes per 32
 //   weights against the file's 18, each d at most D / 2 off; the scales are read whatever is skipped,
 //   and as bytes a 7B-width Q4_0 file decoded 1.03-1.05x faster at 40-50 % skipped: AMD EPYC, AVX-512,
 //   2 threads); Q4_K (Q4_K rows: w = D sc q + M mn, the file's own
@@ -38,8 +38,9 @@
 // largest active |x| (what llama.cpp's Q8 rounding of the masked x gives), the weights' integers
 // times those int8 in integers per block (4-bit: int16, exact: 32 * 8 * 127 fits; Q8: int32), one
 // float multiply by d * scale per output and block, plus (m + 8 d) times the block's rounded x sum
-// for Q4_MIN (Q4: the sums times sc in int32, times the row's scale per block, summed in floats over
-// the super-block and times D once). The scalar path does the same integer arithmetic.
+// for Q4_MIN (the forms with byte scales: the sums times sc in int32, and Q4_K's minimum as its mn times
+// the block's k sum, times the row's scale per block, summed in floats over the super-block and times D,
+// and M, once). The scalar path does the same integer arithmetic.
 // Rows go in groups of up to MAX_GROUP_ROWS: each run of the union of the group's selections is read
 // once, each row multiplying it by its own k (0 where the row skips the channel). Threads take fixed
 // ranges of blocks, each summing its own outputs, which are then added: a row's result does not
@@ -101,7 +102,7 @@ inline Q6Slots q6_slots(int64_t o) {
   return {q6_nibbles_at(g) + byte, high, q6_top_at(g) + byte % 16, static_cast<int>(2 * (byte >= 16) + 4 * high)};
 }
 
-// Where output o's scale byte lies in a block of Q4 runs: each 64 outputs' 64 bytes in the order of the
+// Where output o's scale byte lies among its block's (forms with byte scales): each 64 outputs' 64 bytes in the order of the
 // 4-bit kernels' int16 sums (four vectors of 16; lane i = 2 j + p of vector u holds output
 // 32 (u / 2) + 4 (u % 2) + 16 p + j + 4 (j >= 4): sparse_input_simd.cpp, in_order), so that a vector of
 // sums meets its scales in one load and one `madd`.
@@ -144,10 +145,9 @@ struct RunLayout {
   int64_t run_byte(int64_t o) const { return form == RunForm::Q8 ? o : form == RunForm::Q6 ? o / 4 * 3 : o / 2; }
   // within block b (from its start): d of output o (byte_scales: its byte; Q6: of sub-block sub), its m
   // (Q4_K: its mn byte), channel c's run
-  int64_t d_at(int64_t o, int64_t sub = 0) const {
-    return form == RunForm::Q4 ? q4_scale_slot(o) : byte_scales() ? sub * padded + o : 2 * o;
-  }
-  int64_t m_at(int64_t o) const { return form == RunForm::Q4_K ? padded + o : 2 * padded + 2 * o; }
+  // (byte_scales: each 64 outputs' bytes in the kernels' order of sums, q4_scale_slot)
+  int64_t d_at(int64_t o, int64_t sub = 0) const { return byte_scales() ? sub * padded + q4_scale_slot(o) : 2 * o; }
+  int64_t m_at(int64_t o) const { return form == RunForm::Q4_K ? padded + q4_scale_slot(o) : 2 * padded + 2 * o; }
   // byte_scales: from the start of the runs, the table of block b's super-block; within it D of output
   // o, and M (Q4_K)
   int64_t table_at(int64_t b) const {

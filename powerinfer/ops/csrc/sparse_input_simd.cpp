@@ -242,15 +242,24 @@ inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, const uint8
   }
 }
 
-// Where a piece's block lies in its super-block (QK_K inputs), and the float sums the Q4 form gathers
-// over the super-block (per row `padded` outputs, kept between the pieces of a call): each block adds
-// its int16 sums times its scale bytes, in integers, times the row's scale, and the super-block's
-// float16 D multiplies them once, after its last block (before, every block converted D and its bytes
-// to floats for every output: with nothing in the way of the memory, that step took about 40 % of a
-// Q4_0 linear's time).
+// Where a piece's block lies in its super-block (QK_K inputs), and the float sums the forms with byte
+// scales (Q4, Q4_K, Q6) gather over the super-block (per row `padded` outputs, kept between the pieces of
+// a call; Q4_K's minimums' apart): each block adds its int16 sums times its scale bytes, in integers,
+// times the row's scale, and the super-block's float16 D (and M) multiply them once, after its last
+// block. (Before, every block converted D and its bytes to floats for every output: with nothing in
+// the way of the memory, that step took about 40 % of a Q4_0 linear's time.)
 struct SuperBlockSums {
-  float* sums;  // null: not the Q4 form
+  float *sums, *min_sums;  // null where the form has no byte scales (no minimums)
   bool first, last;
+};
+
+// What one block adds to a row's super-block sums: its int16 sums (Q6: a sub-block's two sets), its
+// scale bytes and (Q4_K) its minimums' bytes, the row's scale and (Q4_K) its k sum in the block.
+struct BlockTerms {
+  const int16_t *sums, *second;
+  const uint8_t *scales, *mins;
+  float scale;
+  int32_t k_sum;
 };
 
 // The even and the odd int16 lanes of each int32 lane: a vector of scales so masked, `madd` by a
@@ -258,36 +267,66 @@ struct SuperBlockSums {
 inline __m256i even_lanes(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)); }
 inline __m256i odd_lanes(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))); }
 
-// A Q4 block's int16 sums of n outputs (slot order, per 64 four vectors of 16) times its scale bytes
-// (the same order: q4_scale_slot) times the row's scale, into the super-block's sums `into` (on its
-// first block, in place of them): per 64 outputs and vector u, 8 floats of the even lanes, 8 of the odd.
-inline void add_to_super_block(const uint8_t* scales, const int16_t* sums, int64_t n, float scale, bool first,
-                               float* into) {
-  const __m256 row_scale = _mm256_set1_ps(scale);
+// into = (first ? 0 : into) + v * scale, 8 floats.
+inline void add_scaled_floats(float* into, __m256i v, __m256 scale, bool first) {
+  const __m256 f = _mm256_cvtepi32_ps(v);
+  _mm256_storeu_ps(into, first ? _mm256_mul_ps(f, scale) : _mm256_fmadd_ps(f, scale, _mm256_loadu_ps(into)));
+}
+
+// A block's terms for n outputs (slot order, per 64 four vectors of 16 sums; its bytes the same order:
+// q4_scale_slot) into a row's super-block sums (on its first block, in place of them): per 64 outputs
+// and vector u, 8 floats of the even lanes, 8 of the odd. The integers: sc times the sums (Q4_K: times
+// the sums + 8 k_sum, the sums being centred on 8), and Q4_K's mn times k_sum (at most 63 * 60960).
+template <RunForm F>
+inline void add_to_super_block(const BlockTerms& t, int64_t n, bool first, float* into, float* min_into) {
+  const __m256 row_scale = _mm256_set1_ps(t.scale);
+  const __m256i k_sum = _mm256_set1_epi16(static_cast<int16_t>(t.k_sum)), eight_k_sum = _mm256_slli_epi16(k_sum, 3);
   for (int64_t g = 0; g < n; g += 64)
     for (int u = 0; u < 4; ++u) {
-      const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g + 16 * u)));
-      const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums + g + 16 * u));
-      const __m256 even = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, even_lanes(sc)));
-      const __m256 odd = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, odd_lanes(sc)));
-      float* a = into + g + 16 * u;
-      _mm256_storeu_ps(a, first ? _mm256_mul_ps(even, row_scale) : _mm256_fmadd_ps(even, row_scale, _mm256_loadu_ps(a)));
-      _mm256_storeu_ps(a + 8, first ? _mm256_mul_ps(odd, row_scale) : _mm256_fmadd_ps(odd, row_scale, _mm256_loadu_ps(a + 8)));
+      const int64_t at = g + 16 * u;
+      const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.scales + at)));
+      const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(t.sums + at));
+      __m256i even = _mm256_madd_epi16(s, even_lanes(sc)), odd = _mm256_madd_epi16(s, odd_lanes(sc));
+      if constexpr (F == RunForm::Q6) {
+        const __m256i s2 = _mm256_load_si256(reinterpret_cast<const __m256i*>(t.second + at));
+        even = _mm256_add_epi32(even, _mm256_madd_epi16(s2, even_lanes(sc)));
+        odd = _mm256_add_epi32(odd, _mm256_madd_epi16(s2, odd_lanes(sc)));
+      }
+      if constexpr (F == RunForm::Q4_K) {
+        even = _mm256_add_epi32(even, _mm256_madd_epi16(even_lanes(sc), eight_k_sum));
+        odd = _mm256_add_epi32(odd, _mm256_madd_epi16(odd_lanes(sc), eight_k_sum));
+        const __m256i mn = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.mins + at)));
+        add_scaled_floats(min_into + at, _mm256_madd_epi16(even_lanes(mn), k_sum), row_scale, first);
+        add_scaled_floats(min_into + at + 8, _mm256_madd_epi16(odd_lanes(mn), k_sum), row_scale, first);
+      }
+      add_scaled_floats(into + at, even, row_scale, first);
+      add_scaled_floats(into + at + 8, odd, row_scale, first);
     }
 }
 
-// y[c0 .. c0 + n) += a super-block's sums of those outputs (add_to_super_block's order) times its D:
-// per 32 outputs, the even and the odd lanes of the two vectors of 16 into output order (as in_order).
-inline void add_super_block(const RunLayout& l, const uint8_t* table, int64_t c0, int64_t n, const float* sums, float* y) {
+// 8 floats' worth of one of a super-block's sums, per 32 outputs: the even and the odd lanes of its
+// two vectors of 16 into output order (as in_order): outputs 0-7, 8-15, 16-23, 24-31.
+inline void super_sums_in_order(const float* a, __m256 q[4]) {
+  const __m256 lo_even = _mm256_loadu_ps(a), lo_odd = _mm256_loadu_ps(a + 8);
+  const __m256 hi_even = _mm256_loadu_ps(a + 16), hi_odd = _mm256_loadu_ps(a + 24);
+  q[0] = _mm256_permute2f128_ps(lo_even, hi_even, 0x20), q[1] = _mm256_permute2f128_ps(lo_even, hi_even, 0x31);
+  q[2] = _mm256_permute2f128_ps(lo_odd, hi_odd, 0x20), q[3] = _mm256_permute2f128_ps(lo_odd, hi_odd, 0x31);
+}
+
+// y[c0 .. c0 + n) += a row's super-block sums of those outputs times its D (and, Q4_K, its minimums'
+// sums times M).
+template <RunForm F>
+inline void add_super_block(const RunLayout& l, const uint8_t* table, int64_t c0, int64_t n, const float* sums,
+                            const float* min_sums, float* y) {
   for (int64_t g = 0; g < n; g += 32) {
-    const float* a = sums + g;  // vector 2h at a, 2h + 1 at a + 16 (h = g % 64 / 32)
-    const __m256 lo_even = _mm256_loadu_ps(a), lo_odd = _mm256_loadu_ps(a + 8);
-    const __m256 hi_even = _mm256_loadu_ps(a + 16), hi_odd = _mm256_loadu_ps(a + 24);
-    const __m256 q[4] = {_mm256_permute2f128_ps(lo_even, hi_even, 0x20), _mm256_permute2f128_ps(lo_even, hi_even, 0x31),
-                         _mm256_permute2f128_ps(lo_odd, hi_odd, 0x20), _mm256_permute2f128_ps(lo_odd, hi_odd, 0x31)};
+    __m256 q[4], m[4];
+    super_sums_in_order(sums + g, q);
+    if constexpr (F == RunForm::Q4_K) super_sums_in_order(min_sums + g, m);
     for (int h = 0; h < 4; ++h) {
-      float* at = y + c0 + g + 8 * h;
-      _mm256_storeu_ps(at, _mm256_fmadd_ps(q[h], halves(table + l.table_d_at(c0 + g + 8 * h)), _mm256_loadu_ps(at)));
+      const int64_t o = c0 + g + 8 * h;
+      __m256 sum = _mm256_fmadd_ps(q[h], halves(table + l.table_d_at(o)), _mm256_loadu_ps(y + o));
+      if constexpr (F == RunForm::Q4_K) sum = _mm256_fmadd_ps(m[h], halves(table + l.table_m_at(o)), sum);
+      _mm256_storeu_ps(y + o, sum);
     }
   }
 }
@@ -324,40 +363,22 @@ void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
       for (int r = 0; r < R; ++r) add_two_pairs(acc + r * chunk + g, both[0], both[1], k[0][r], k[1][r]);
     }
   }
-  if constexpr (F == RunForm::Q4) {
+  if constexpr (F == RunForm::Q4_MIN) {
+    for (int r = 0; r < R; ++r) {
+      if (scale[r] == 0.0f) continue;  // nothing of this row in the block
+      for (int64_t g = 0; g < n; g += 32)
+        add_q4_outputs(l, block, table, c0 + g, acc + r * chunk + g, acc + r * chunk + g + 16, scale[r], k_sum[r], y + r * l.padded);
+    }
+  } else {
     for (int r = 0; r < R; ++r) {
       float* sums = super.sums + r * l.padded + c0;
+      float* min_sums = F == RunForm::Q4_K ? super.min_sums + r * l.padded + c0 : nullptr;
       if (super.first || scale[r] != 0.0f)  // 0: nothing of this row in the block
-        add_to_super_block(block + l.d_at(c0), acc + r * chunk, n, scale[r], super.first, sums);
-      if (super.last) add_super_block(l, table, c0, n, sums, y + r * l.padded);
+        add_to_super_block<F>({acc + r * chunk, nullptr, block + l.d_at(c0), F == RunForm::Q4_K ? block + l.m_at(c0) : nullptr,
+                               scale[r], k_sum[r]}, n, super.first, sums, min_sums);
+      if (super.last) add_super_block<F>(l, table, c0, n, sums, min_sums, y + r * l.padded);
     }
-    return;
   }
-  for (int r = 0; r < R; ++r) {
-    if (scale[r] == 0.0f) continue;  // nothing of this row in the block
-    for (int64_t g = 0; g < n; g += 32)
-      add_q4_outputs(l, block, table, c0 + g, acc + r * chunk + g, acc + r * chunk + g + 16, scale[r], k_sum[r], y + r * l.padded);
-  }
-}
-
-// y[o .. o + 32) += a row's Q6 sums of those outputs in sub-block sub: its first eight channels'
-// sum (the int16 vectors at first, first + 16, slot order as the 4-bit sums: see in_order) plus the
-// other channels' (at second, second + 16), times the sub-block's d and the row's scale.
-inline void add_q6_outputs(const RunLayout& l, const uint8_t* block, const uint8_t* table, int64_t o, int64_t sub,
-                           const int16_t* first, const int16_t* second, float scale, float* y) {
-  const __m256i* f = reinterpret_cast<const __m256i*>(first);
-  const __m256i* t2 = reinterpret_cast<const __m256i*>(second);
-  __m256i q[4], t[4];
-  in_order(_mm256_load_si256(f), _mm256_load_si256(f + 1), q);
-  in_order(_mm256_load_si256(t2), _mm256_load_si256(t2 + 1), t);
-  __m256 d[4];
-  for (int h = 0; h < 4; ++h) {
-    q[h] = _mm256_add_epi32(q[h], t[h]);
-    d[h] = q4_scale(l, block + l.d_at(o + 8 * h, sub), table + l.table_d_at(o + 8 * h));
-  }
-  const __m256 row_scale = _mm256_set1_ps(scale);
-  add_scaled(y + o, q[0], q[1], d[0], d[1], row_scale);
-  add_scaled(y + o + 16, q[2], q[3], d[2], d[3], row_scale);
 }
 
 // Active channels of a Q6 sub-block per set of int16 sums (see add_q6_piece); a multiple of Q4_GROUP.
@@ -399,11 +420,12 @@ inline int16_t q6_sums_start(const RunLayout& l, const Selection& s, int32_t a, 
 // Q6_K re-quantized to Q8 runs.) acc: per row the chunk's first sums, then per row its second.
 template <int R>
 void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
-                  const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc, const SuperBlockSums&) {
+                  const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc, const SuperBlockSums& super) {
   const RunLayout l = with_form<RunForm::Q6>(layout);
   const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   int16_t* const second_acc = acc + R * chunk;
   const auto sub_blocks = q6_sub_blocks(l, block, s, j0, j1, c0, n, after);
+  bool fresh = super.first;  // the super-block's sums not yet written by this block
   for (int64_t sub = 0; sub < 2; ++sub) {
     const auto& [a, split, b, then] = sub_blocks[sub];
     if (a == b) continue;
@@ -435,12 +457,14 @@ void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
         for (int r = 0; r < R; ++r) add_two_pairs(sums + r * chunk + g, six[0], six[1], k[0][r], k[1][r]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      if (scale[r] == 0.0f) continue;  // nothing of this row in the block
-      for (int64_t g = 0; g < n; g += 32)
-        add_q6_outputs(l, block, table, c0 + g, sub, acc + r * chunk + g, second_acc + r * chunk + g, scale[r], y + r * l.padded);
-    }
+    for (int r = 0; r < R; ++r)
+      if (fresh || scale[r] != 0.0f)  // 0: nothing of this row in the block
+        add_to_super_block<RunForm::Q6>({acc + r * chunk, second_acc + r * chunk, block + l.d_at(c0, sub), nullptr, scale[r], 0}, n,
+                                        fresh, super.sums + r * l.padded + c0, nullptr);
+    fresh = false;
   }
+  if (super.last)
+    for (int r = 0; r < R; ++r) add_super_block<RunForm::Q6>(l, table, c0, n, super.sums + r * l.padded + c0, nullptr, y + r * l.padded);
 }
 
 // The sums of 16 outputs from the two int32 vectors of the Q8 kernel (slot order [0 8 1 9 | 4 12 5 13]
@@ -519,14 +543,18 @@ void dequantize_block(const RunLayout& l, const uint8_t* runs, int64_t b, int64_
   const __m256 offset = _mm256_set1_ps(-static_cast<float>(l.q_offset()));
   for (int64_t g = o0; g < whole; g += 64) {
     __m256 d[2][8], m[2][8];  // per sub-block (Q6: per 16 channels)
-    alignas(8) uint8_t in_order[64];  // the Q4 form's scale bytes of the 64 outputs in output order
-    if (l.form == RunForm::Q4)
-      for (int64_t o = 0; o < 64; ++o) in_order[o] = block[l.d_at(g + o)];
+    // the byte scales of the 64 outputs (per sub-block; then Q4_K's minimums) in output order
+    alignas(8) uint8_t in_order[3][64];
+    if (l.byte_scales())
+      for (int64_t o = 0; o < 64; ++o) {
+        for (int64_t sub = 0; sub < l.sub_blocks(); ++sub) in_order[sub][o] = block[l.d_at(g + o, sub)];
+        if (l.has_min()) in_order[2][o] = block[l.m_at(g + o)];
+      }
     for (int64_t sub = 0; sub < l.sub_blocks(); ++sub)
       for (int r = 0; r < 8; ++r) {
-        const uint8_t* scale_bytes = l.form == RunForm::Q4 ? in_order + 8 * r : block + l.d_at(g + 8 * r, sub);
-        d[sub][r] = q4_scale(l, scale_bytes, table + l.table_d_at(g + 8 * r));
-        m[sub][r] = l.has_min() ? q4_scale(l, block + l.m_at(g + 8 * r), table + l.table_m_at(g + 8 * r))
+        const bool bytes = l.byte_scales();
+        d[sub][r] = q4_scale(l, bytes ? in_order[sub] + 8 * r : block + l.d_at(g + 8 * r, sub), table + l.table_d_at(g + 8 * r));
+        m[sub][r] = l.has_min() ? q4_scale(l, bytes ? in_order[2] + 8 * r : block + l.m_at(g + 8 * r), table + l.table_m_at(g + 8 * r))
                                 : _mm256_mul_ps(offset, d[sub][r]);
       }
     for (int64_t c = 0; c < QK; ++c) {
@@ -607,11 +635,14 @@ void add_q4_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, 
   alignas(64) int16_t acc[Q4_SUMS];
   constexpr int64_t chunk = Q4_SUMS / (PLANES * R) / RUN_GROUP * RUN_GROUP;
   thread_local std::vector<float> super_sums;  // kept between calls: no fresh pages per call
-  if (l.form == RunForm::Q4 && super_sums.size() < static_cast<size_t>(R * l.padded)) super_sums.resize(R * l.padded);
+  const int64_t sets = l.byte_scales() ? (l.has_min() ? 2 : 1) : 0;  // the sums, and Q4_K's minimums'
+  if (super_sums.size() < static_cast<size_t>(sets * R * l.padded)) super_sums.resize(sets * R * l.padded);
+  float* const sums = sets ? super_sums.data() : nullptr;
+  float* const min_sums = sets == 2 ? sums + R * l.padded : nullptr;
   const auto super_block = [&](int64_t i) { return l.super_block(s.blocks[i]); };
   for (int64_t i = i0; i < i1; ++i) {
-    const SuperBlockSums super{l.form == RunForm::Q4 ? super_sums.data() : nullptr,
-                               i == i0 || super_block(i - 1) != super_block(i), i + 1 == i1 || super_block(i + 1) != super_block(i)};
+    const SuperBlockSums super{sums, min_sums, i == i0 || super_block(i - 1) != super_block(i),
+                               i + 1 == i1 || super_block(i + 1) != super_block(i)};
     for (int64_t c0 = 0; c0 < l.padded; c0 += chunk) {
       const auto after = c0 + chunk < l.padded ? first_group<Q4_GROUP>(l, runs, s, i, i1, c0 + chunk, chunk)
                                                : first_group<Q4_GROUP>(l, runs, s, i + 1, i1, 0, chunk);
@@ -738,40 +769,77 @@ inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, const uint8
   }
 }
 
+// into = (first ? 0 : into) + v * scale, 16 floats.
+inline void add_scaled_floats(float* into, __m512i v, __m512 scale, bool first) {
+  const __m512 f = _mm512_cvtepi32_ps(v);
+  _mm512_storeu_ps(into, first ? _mm512_mul_ps(f, scale) : _mm512_fmadd_ps(f, scale, _mm512_loadu_ps(into)));
+}
+
+// A vector of sums' 32 byte scales (at p and p + 64: see add_to_super_block) as int16.
+inline __m512i vector_bytes(const uint8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p + 64), reinterpret_cast<const __m128i*>(p)));
+}
+
+// 16 float16 at p as floats.
+inline __m512 sixteen_halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
 // As avx2::add_to_super_block, 128 outputs a step: vector v of the sums holds the AVX2 kernel's vector v
-// of the first 64 outputs and of the next 64, so its scales are those two vectors' 16 bytes.
-inline void add_to_super_block(const uint8_t* scales, const int16_t* sums, int64_t n, float scale, bool first,
-                               float* into) {
+// of the first 64 outputs and of the next 64, so its bytes are those two vectors' 16 each.
+template <RunForm F>
+inline void add_to_super_block(const avx2::BlockTerms& t, int64_t n, bool first, float* into, float* min_into) {
   const __m512i even_lanes = _mm512_set1_epi32(0xFFFF), odd_lanes = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  const __m512 row_scale = _mm512_set1_ps(scale);
+  const __m512 row_scale = _mm512_set1_ps(t.scale);
+  const __m512i k_sum = _mm512_set1_epi16(static_cast<int16_t>(t.k_sum)), eight_k_sum = _mm512_slli_epi16(k_sum, 3);
   for (int64_t g = 0; g < n; g += 128)
     for (int v = 0; v < 4; ++v) {
-      const __m512i sc = _mm512_cvtepi8_epi16(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(scales + g + 64 + 16 * v),
-                                                                  reinterpret_cast<const __m128i*>(scales + g + 16 * v)));
-      const __m512i s = _mm512_load_si512(sums + g + 32 * v);
-      const __m512 even = _mm512_cvtepi32_ps(_mm512_madd_epi16(s, _mm512_and_si512(sc, even_lanes)));
-      const __m512 odd = _mm512_cvtepi32_ps(_mm512_madd_epi16(s, _mm512_and_si512(sc, odd_lanes)));
-      float* a = into + g + 32 * v;
-      _mm512_storeu_ps(a, first ? _mm512_mul_ps(even, row_scale) : _mm512_fmadd_ps(even, row_scale, _mm512_loadu_ps(a)));
-      _mm512_storeu_ps(a + 16, first ? _mm512_mul_ps(odd, row_scale) : _mm512_fmadd_ps(odd, row_scale, _mm512_loadu_ps(a + 16)));
+      const int64_t at = g + 32 * v;
+      const __m512i sc = vector_bytes(t.scales + g + 16 * v);
+      const __m512i sc_even = _mm512_and_si512(sc, even_lanes), sc_odd = _mm512_and_si512(sc, odd_lanes);
+      const __m512i s = _mm512_load_si512(t.sums + at);
+      __m512i even = _mm512_madd_epi16(s, sc_even), odd = _mm512_madd_epi16(s, sc_odd);
+      if constexpr (F == RunForm::Q6) {
+        const __m512i s2 = _mm512_load_si512(t.second + at);
+        even = _mm512_add_epi32(even, _mm512_madd_epi16(s2, sc_even));
+        odd = _mm512_add_epi32(odd, _mm512_madd_epi16(s2, sc_odd));
+      }
+      if constexpr (F == RunForm::Q4_K) {
+        even = _mm512_add_epi32(even, _mm512_madd_epi16(sc_even, eight_k_sum));
+        odd = _mm512_add_epi32(odd, _mm512_madd_epi16(sc_odd, eight_k_sum));
+        const __m512i mn = vector_bytes(t.mins + g + 16 * v);
+        add_scaled_floats(min_into + at, _mm512_madd_epi16(_mm512_and_si512(mn, even_lanes), k_sum), row_scale, first);
+        add_scaled_floats(min_into + at + 16, _mm512_madd_epi16(_mm512_and_si512(mn, odd_lanes), k_sum), row_scale, first);
+      }
+      add_scaled_floats(into + at, even, row_scale, first);
+      add_scaled_floats(into + at + 16, odd, row_scale, first);
     }
 }
 
-// As avx2::add_super_block, 128 outputs a step, into output order as sums_in_order does.
-inline void add_super_block(const RunLayout& l, const uint8_t* table, int64_t c0, int64_t n, const float* sums, float* y) {
+// One of a super-block's sums for 128 outputs from g (add_to_super_block's order) in output order, as
+// sums_in_order does: for u = 0 or 2, outputs 16 u + [0, 16), [16, 32), [64, 80), [80, 96).
+inline void super_sums_in_order(const float* a, int u, __m512 in_order[4]) {
   const __m512i low_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i high_half = _mm512_add_epi32(low_half, _mm512_set1_epi32(8));
+  a += 32 * u;  // vector u: even lanes, odd lanes; then vector u + 1
+  const __m512 even_a = _mm512_loadu_ps(a), odd_a = _mm512_loadu_ps(a + 16);
+  const __m512 even_b = _mm512_loadu_ps(a + 32), odd_b = _mm512_loadu_ps(a + 48);
+  in_order[0] = _mm512_permutex2var_ps(even_a, low_half, even_b), in_order[1] = _mm512_permutex2var_ps(odd_a, low_half, odd_b);
+  in_order[2] = _mm512_permutex2var_ps(even_a, high_half, even_b), in_order[3] = _mm512_permutex2var_ps(odd_a, high_half, odd_b);
+}
+
+// As avx2::add_super_block, 128 outputs a step.
+template <RunForm F>
+inline void add_super_block(const RunLayout& l, const uint8_t* table, int64_t c0, int64_t n, const float* sums,
+                            const float* min_sums, float* y) {
   for (int64_t g = 0; g < n; g += 128)
     for (int u = 0; u < 4; u += 2) {
-      const float* a = sums + g + 32 * u;  // vector u: even lanes, odd lanes; then vector u + 1
-      const __m512 even_a = _mm512_loadu_ps(a), odd_a = _mm512_loadu_ps(a + 16);
-      const __m512 even_b = _mm512_loadu_ps(a + 32), odd_b = _mm512_loadu_ps(a + 48);
-      const __m512 in_order[4] = {_mm512_permutex2var_ps(even_a, low_half, even_b), _mm512_permutex2var_ps(odd_a, low_half, odd_b),
-                                  _mm512_permutex2var_ps(even_a, high_half, even_b), _mm512_permutex2var_ps(odd_a, high_half, odd_b)};
+      __m512 q[4], m[4];
+      super_sums_in_order(sums + g, u, q);
+      if constexpr (F == RunForm::Q4_K) super_sums_in_order(min_sums + g, u, m);
       for (int v = 0; v < 4; ++v) {
         const int64_t at = in_order_output(c0 + g, u, v);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(table + l.table_d_at(at))));
-        _mm512_storeu_ps(y + at, _mm512_fmadd_ps(in_order[v], d, _mm512_loadu_ps(y + at)));
+        __m512 sum = _mm512_fmadd_ps(q[v], sixteen_halves(table + l.table_d_at(at)), _mm512_loadu_ps(y + at));
+        if constexpr (F == RunForm::Q4_K) sum = _mm512_fmadd_ps(m[v], sixteen_halves(table + l.table_m_at(at)), sum);
+        _mm512_storeu_ps(y + at, sum);
       }
     }
 }
@@ -809,37 +877,20 @@ void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
       for (int r = 0; r < R; ++r) add_two_pairs(acc + r * chunk + g, both[0], both[1], k[0][r], k[1][r]);
     }
   }
-  if constexpr (F == RunForm::Q4) {
+  if constexpr (F == RunForm::Q4_MIN) {
+    for (int r = 0; r < R; ++r) {
+      if (scale[r] == 0.0f) continue;  // nothing of this row in the block
+      for (int64_t g = 0; g < n; g += 128)
+        add_q4_outputs(l, block, table, c0 + g, acc + r * chunk + g, scale[r], k_sum[r], y + r * l.padded);
+    }
+  } else {
     for (int r = 0; r < R; ++r) {
       float* sums = super.sums + r * l.padded + c0;
+      float* min_sums = F == RunForm::Q4_K ? super.min_sums + r * l.padded + c0 : nullptr;
       if (super.first || scale[r] != 0.0f)  // 0: nothing of this row in the block
-        add_to_super_block(block + l.d_at(c0), acc + r * chunk, n, scale[r], super.first, sums);
-      if (super.last) add_super_block(l, table, c0, n, sums, y + r * l.padded);
-    }
-    return;
-  }
-  for (int r = 0; r < R; ++r) {
-    if (scale[r] == 0.0f) continue;  // nothing of this row in the block
-    for (int64_t g = 0; g < n; g += 128)
-      add_q4_outputs(l, block, table, c0 + g, acc + r * chunk + g, scale[r], k_sum[r], y + r * l.padded);
-  }
-}
-
-// y[o .. o + 128) += a row's Q6 sums of those outputs in sub-block sub: its first eight channels'
-// (at first, as the 4-bit sums) plus the others' (at second), times the sub-block's d and the row's
-// scale.
-inline void add_q6_outputs(const RunLayout& l, const uint8_t* block, const uint8_t* table, int64_t o, int64_t sub,
-                           const int16_t* first, const int16_t* second, float scale, float* y) {
-  const __m512 row_scale = _mm512_set1_ps(scale);
-  for (int u = 0; u < 4; u += 2) {
-    __m512i q[4], t[4];
-    sums_in_order(first, u, q);
-    sums_in_order(second, u, t);
-    for (int v = 0; v < 4; ++v) {
-      const int64_t at = in_order_output(o, u, v);
-      const __m512 d = q4_scale(l, block + l.d_at(at, sub), table + l.table_d_at(at));
-      const __m512i sum = _mm512_add_epi32(q[v], t[v]);
-      _mm512_storeu_ps(y + at, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(row_scale, d), _mm512_loadu_ps(y + at)));
+        add_to_super_block<F>({acc + r * chunk, nullptr, block + l.d_at(c0), F == RunForm::Q4_K ? block + l.m_at(c0) : nullptr,
+                               scale[r], k_sum[r]}, n, super.first, sums, min_sums);
+      if (super.last) add_super_block<F>(l, table, c0, n, sums, min_sums, y + r * l.padded);
     }
   }
 }
@@ -849,12 +900,13 @@ inline void add_q6_outputs(const RunLayout& l, const uint8_t* block, const uint8
 // as [first 16, first 16, next 16, next 16] by 128-bit lane). acc as add_q4_piece's, per set of sums.
 template <int R>
 void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
-                  const avx2::GroupRuns<avx2::Q4_GROUP>& after, float* y, int16_t* acc, const avx2::SuperBlockSums&) {
+                  const avx2::GroupRuns<avx2::Q4_GROUP>& after, float* y, int16_t* acc, const avx2::SuperBlockSums& super) {
   using namespace avx2;
   const RunLayout l = with_form<RunForm::Q6>(layout);
   const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
   int16_t* const second_acc = acc + R * chunk;
   const auto sub_blocks = q6_sub_blocks(l, block, s, j0, j1, c0, n, after);
+  bool fresh = super.first;  // the super-block's sums not yet written by this block
   for (int64_t sub = 0; sub < 2; ++sub) {
     const auto& [a, split, b, then] = sub_blocks[sub];
     if (a == b) continue;
@@ -887,12 +939,14 @@ void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
         for (int r = 0; r < R; ++r) add_two_pairs(sums + r * chunk + g, six[0], six[1], k[0][r], k[1][r]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      if (scale[r] == 0.0f) continue;  // nothing of this row in the block
-      for (int64_t g = 0; g < n; g += 128)
-        add_q6_outputs(l, block, table, c0 + g, sub, acc + r * chunk + g, second_acc + r * chunk + g, scale[r], y + r * l.padded);
-    }
+    for (int r = 0; r < R; ++r)
+      if (fresh || scale[r] != 0.0f)  // 0: nothing of this row in the block
+        add_to_super_block<RunForm::Q6>({acc + r * chunk, second_acc + r * chunk, block + l.d_at(c0, sub), nullptr, scale[r], 0}, n,
+                                        fresh, super.sums + r * l.padded + c0, nullptr);
+    fresh = false;
   }
+  if (super.last)
+    for (int r = 0; r < R; ++r) add_super_block<RunForm::Q6>(l, table, c0, n, super.sums + r * l.padded + c0, nullptr, y + r * l.padded);
 }
 
 // Q8 runs, R rows, outputs [c0, c0 + chunk) of block i (see avx2::add_q8_piece). Per 32 outputs the
