@@ -331,6 +331,27 @@ inline void add_super_block(const RunLayout& l, const uint8_t* table, int64_t c0
   }
 }
 
+// The forms with byte scales, a piece's R rows: each row's block terms (sub-block `sub`'s scales; Q6
+// passes its second set of sums) into its super-block's sums (in place of them where `fresh`), and
+// after the super-block's last block those sums into y. ADD and FLUSH: an instruction set's
+// add_to_super_block and add_super_block for the form.
+template <RunForm F, int R, auto ADD>
+void rows_into_super_block(const RunLayout& l, const BlockPiece& p, int64_t c0, int64_t chunk, const int16_t* acc,
+                           const int16_t* second, int64_t sub, bool fresh, const SuperBlockSums& super) {
+  for (int r = 0; r < R; ++r)
+    if (fresh || p.scale[r] != 0.0f)  // 0: nothing of this row in the block
+      ADD({acc + r * chunk, second ? second + r * chunk : nullptr, p.block + l.d_at(c0, sub),
+           F == RunForm::Q4_K ? p.block + l.m_at(c0) : nullptr, p.scale[r], p.k_sum[r]},
+          p.n, fresh, super.sums + r * l.padded + c0, super.min_sums ? super.min_sums + r * l.padded + c0 : nullptr);
+}
+
+template <int R, auto FLUSH>
+void rows_from_super_block(const RunLayout& l, const BlockPiece& p, int64_t c0, const SuperBlockSums& super, float* y) {
+  for (int r = 0; r < R; ++r)
+    FLUSH(l, p.table, c0, p.n, super.sums + r * l.padded + c0, super.min_sums ? super.min_sums + r * l.padded + c0 : nullptr,
+          y + r * l.padded);
+}
+
 // 4-bit runs, R rows, outputs [c0, c0 + chunk) of block i. Channels go Q4_GROUP at a time, in pairs:
 // a pair's nibbles interleaved byte by byte (channel j, channel j + 1 for the same output), so that
 // one `_mm256_maddubs_epi16` by the byte pairs [k_j, k_j+1] of a row sums both channels' products for
@@ -340,7 +361,8 @@ template <int R, RunForm F>
 void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc, const SuperBlockSums& super) {
   const RunLayout l = with_form<F>(layout);
-  const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
+  const BlockPiece piece = piece_of<R>(l, runs, s, i, c0, chunk);
+  const auto [block, table, j0, j1, scale, k_sum, n] = piece;
   for (int r = 0; r < R; ++r) {
     const __m256i init = _mm256_set1_epi16(static_cast<int16_t>(-8 * k_sum[r]));  // wraps: the sums fit int16
     for (int64_t o = 0; o < n; o += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(acc + r * chunk + o), init);
@@ -370,14 +392,8 @@ void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
         add_q4_outputs(l, block, table, c0 + g, acc + r * chunk + g, acc + r * chunk + g + 16, scale[r], k_sum[r], y + r * l.padded);
     }
   } else {
-    for (int r = 0; r < R; ++r) {
-      float* sums = super.sums + r * l.padded + c0;
-      float* min_sums = F == RunForm::Q4_K ? super.min_sums + r * l.padded + c0 : nullptr;
-      if (super.first || scale[r] != 0.0f)  // 0: nothing of this row in the block
-        add_to_super_block<F>({acc + r * chunk, nullptr, block + l.d_at(c0), F == RunForm::Q4_K ? block + l.m_at(c0) : nullptr,
-                               scale[r], k_sum[r]}, n, super.first, sums, min_sums);
-      if (super.last) add_super_block<F>(l, table, c0, n, sums, min_sums, y + r * l.padded);
-    }
+    rows_into_super_block<F, R, add_to_super_block<F>>(l, piece, c0, chunk, acc, nullptr, 0, super.first, super);
+    if (super.last) rows_from_super_block<R, add_super_block<F>>(l, piece, c0, super, y);
   }
 }
 
@@ -422,7 +438,8 @@ template <int R>
 void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc, const SuperBlockSums& super) {
   const RunLayout l = with_form<RunForm::Q6>(layout);
-  const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
+  const BlockPiece piece = piece_of<R>(l, runs, s, i, c0, chunk);
+  const auto [block, table, j0, j1, scale, k_sum, n] = piece;
   int16_t* const second_acc = acc + R * chunk;
   const auto sub_blocks = q6_sub_blocks(l, block, s, j0, j1, c0, n, after);
   bool fresh = super.first;  // the super-block's sums not yet written by this block
@@ -457,14 +474,10 @@ void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
         for (int r = 0; r < R; ++r) add_two_pairs(sums + r * chunk + g, six[0], six[1], k[0][r], k[1][r]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      if (fresh || scale[r] != 0.0f)  // 0: nothing of this row in the block
-        add_to_super_block<RunForm::Q6>({acc + r * chunk, second_acc + r * chunk, block + l.d_at(c0, sub), nullptr, scale[r], 0}, n,
-                                        fresh, super.sums + r * l.padded + c0, nullptr);
+    rows_into_super_block<RunForm::Q6, R, add_to_super_block<RunForm::Q6>>(l, piece, c0, chunk, acc, second_acc, sub, fresh, super);
     fresh = false;
   }
-  if (super.last)
-    for (int r = 0; r < R; ++r) add_super_block<RunForm::Q6>(l, table, c0, n, super.sums + r * l.padded + c0, nullptr, y + r * l.padded);
+  if (super.last) rows_from_super_block<R, add_super_block<RunForm::Q6>>(l, piece, c0, super, y);
 }
 
 // The sums of 16 outputs from the two int32 vectors of the Q8 kernel (slot order [0 8 1 9 | 4 12 5 13]
@@ -853,7 +866,8 @@ void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
                   const avx2::GroupRuns<avx2::Q4_GROUP>& after, float* y, int16_t* acc, const avx2::SuperBlockSums& super) {
   using namespace avx2;
   const RunLayout l = with_form<F>(layout);
-  const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
+  const BlockPiece piece = piece_of<R>(l, runs, s, i, c0, chunk);
+  const auto [block, table, j0, j1, scale, k_sum, n] = piece;
   for (int r = 0; r < R; ++r) {
     const __m512i init = _mm512_set1_epi16(static_cast<int16_t>(-8 * k_sum[r]));  // wraps: the sums fit int16
     for (int64_t o = 0; o < n; o += 32) _mm512_store_si512(acc + r * chunk + o, init);
@@ -884,14 +898,8 @@ void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
         add_q4_outputs(l, block, table, c0 + g, acc + r * chunk + g, scale[r], k_sum[r], y + r * l.padded);
     }
   } else {
-    for (int r = 0; r < R; ++r) {
-      float* sums = super.sums + r * l.padded + c0;
-      float* min_sums = F == RunForm::Q4_K ? super.min_sums + r * l.padded + c0 : nullptr;
-      if (super.first || scale[r] != 0.0f)  // 0: nothing of this row in the block
-        add_to_super_block<F>({acc + r * chunk, nullptr, block + l.d_at(c0), F == RunForm::Q4_K ? block + l.m_at(c0) : nullptr,
-                               scale[r], k_sum[r]}, n, super.first, sums, min_sums);
-      if (super.last) add_super_block<F>(l, table, c0, n, sums, min_sums, y + r * l.padded);
-    }
+    rows_into_super_block<F, R, add_to_super_block<F>>(l, piece, c0, chunk, acc, nullptr, 0, super.first, super);
+    if (super.last) rows_from_super_block<R, add_super_block<F>>(l, piece, c0, super, y);
   }
 }
 
@@ -903,7 +911,8 @@ void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
                   const avx2::GroupRuns<avx2::Q4_GROUP>& after, float* y, int16_t* acc, const avx2::SuperBlockSums& super) {
   using namespace avx2;
   const RunLayout l = with_form<RunForm::Q6>(layout);
-  const auto [block, table, j0, j1, scale, k_sum, n] = piece_of<R>(l, runs, s, i, c0, chunk);
+  const BlockPiece piece = piece_of<R>(l, runs, s, i, c0, chunk);
+  const auto [block, table, j0, j1, scale, k_sum, n] = piece;
   int16_t* const second_acc = acc + R * chunk;
   const auto sub_blocks = q6_sub_blocks(l, block, s, j0, j1, c0, n, after);
   bool fresh = super.first;  // the super-block's sums not yet written by this block
@@ -939,14 +948,10 @@ void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
         for (int r = 0; r < R; ++r) add_two_pairs(sums + r * chunk + g, six[0], six[1], k[0][r], k[1][r]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      if (fresh || scale[r] != 0.0f)  // 0: nothing of this row in the block
-        add_to_super_block<RunForm::Q6>({acc + r * chunk, second_acc + r * chunk, block + l.d_at(c0, sub), nullptr, scale[r], 0}, n,
-                                        fresh, super.sums + r * l.padded + c0, nullptr);
+    rows_into_super_block<RunForm::Q6, R, add_to_super_block<RunForm::Q6>>(l, piece, c0, chunk, acc, second_acc, sub, fresh, super);
     fresh = false;
   }
-  if (super.last)
-    for (int r = 0; r < R; ++r) add_super_block<RunForm::Q6>(l, table, c0, n, super.sums + r * l.padded + c0, nullptr, y + r * l.padded);
+  if (super.last) rows_from_super_block<R, add_super_block<RunForm::Q6>>(l, piece, c0, super, y);
 }
 
 // Q8 runs, R rows, outputs [c0, c0 + chunk) of block i (see avx2::add_q8_piece). Per 32 outputs the
