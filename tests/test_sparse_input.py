@@ -372,3 +372,22 @@ def test_a_large_matrix_is_regrouped_in_slices_dropping_pages_after_each(monkeyp
     sliced = column_linear([m], thresholds, release_pages=lambda: calls.append(1))
     assert len(calls) == 9
     assert torch.equal(sliced(x), column_linear([m], thresholds)(x))
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_super_blocks_with_skipped_blocks_and_rows(ggml_type, rows, each_isa):
+    """The forms with byte scales sum each super-block (256 inputs) in floats that its D multiplies
+    once: super-blocks whose first blocks are skipped, one skipped whole (K types), a short last one
+    (Q4_0), a row with nothing in a block where the other rows have something, and the two threads'
+    split inside a super-block."""
+    k_type = ggml_type != T.Q4_0
+    in_features = 256 * 5 if k_type else 256 * 3 + 64  # 40 blocks split at 20, or 26 at 13
+    m = matrix(ggml_type, 300, in_features, seed=rows)
+    x = inputs(rows, in_features, seed=50 + rows)
+    skipped = [0, 1, 9, 10, 11, 16, 17] + (list(range(24, 32)) if k_type else [])
+    for block in skipped:
+        x[:, 32 * block:32 * (block + 1)] = 0.0
+    x[0, 32 * 8:32 * 9] = 0.0  # row 0 has nothing in super-block 1's first active block
+    thresholds = thresholds_at(x, 0.3, seed=60)
+    check(column_linear([m], thresholds), [m], thresholds, x)
