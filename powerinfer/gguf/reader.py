@@ -227,6 +227,9 @@ def _tensor_info(cursor: _Cursor, type_codes: Mapping[int, GGMLQuantizationType]
         raise cursor.fail(f"tensor {name!r} has {n_dims} dimensions")
     cursor.need(8 * n_dims, "dimensions")
     dims = [cursor.scalar(GGUFValueType.UINT64) for _ in range(n_dims)]
+    # as llama.cpp, element counts are int64 (a 0 beside a huge dimension would still break numpy's shape)
+    if math.prod(max(d, 1) for d in dims) >= 1 << 63:
+        raise cursor.fail(f"tensor {name!r} has dimensions {dims}: more elements than a 64-bit count holds")
     code = cursor.scalar(GGUFValueType.UINT32)
     ggml_type = type_codes.get(code)
     if ggml_type is None:
