@@ -222,24 +222,21 @@ inline void add_two_pairs(int16_t* sums, const __m256i pair0[4], const __m256i p
     a[u] = _mm256_add_epi16(a[u], _mm256_add_epi16(_mm256_maddubs_epi16(pair0[u], k0), _mm256_maddubs_epi16(pair1[u], k1)));
 }
 
-// y[o .. o + 32) += a row's 4-bit sums of those outputs (the int16 vectors at lo, hi: slot order, see
-// in_order) times the block's d and the row's scale, plus the minimum term of the forms with one.
-inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, const uint8_t* table, int64_t o, const int16_t* lo,
-                           const int16_t* hi, float scale, int32_t k_sum, float* y) {
+// Q4_MIN (the one 4-bit form with float16 d and m per output and block, so not summed per
+// super-block): y[o .. o + 32) += a row's 4-bit sums of those outputs (the int16 vectors at lo, hi:
+// slot order, see in_order) times the block's d and the row's scale, plus the minimum term.
+inline void add_q4_min_outputs(const RunLayout& l, const uint8_t* block, int64_t o, const int16_t* lo, const int16_t* hi,
+                               float scale, int32_t k_sum, float* y) {
   const __m256 row_scale = _mm256_set1_ps(scale);
   __m256i q[4];
   in_order(_mm256_load_si256(reinterpret_cast<const __m256i*>(lo)), _mm256_load_si256(reinterpret_cast<const __m256i*>(hi)), q);
-  __m256 d[4];  // once for the sums and the minimum term
-  for (int h = 0; h < 4; ++h) d[h] = q4_scale(l, block + l.d_at(o + 8 * h), table + l.table_d_at(o + 8 * h));
+  __m256 d[4], m[4];
+  for (int h = 0; h < 4; ++h) d[h] = halves(block + l.d_at(o + 8 * h)), m[h] = halves(block + l.m_at(o + 8 * h));
   add_scaled(y + o, q[0], q[1], d[0], d[1], row_scale);
   add_scaled(y + o + 16, q[2], q[3], d[2], d[3], row_scale);
-  if (l.has_min()) {
-    const __m256 rounded_sum = _mm256_set1_ps(scale * static_cast<float>(k_sum));
-    __m256 m[4];
-    for (int h = 0; h < 4; ++h) m[h] = q4_scale(l, block + l.m_at(o + 8 * h), table + l.table_m_at(o + 8 * h));
-    add_minimum(y + o, d[0], d[1], m[0], m[1], rounded_sum);
-    add_minimum(y + o + 16, d[2], d[3], m[2], m[3], rounded_sum);
-  }
+  const __m256 rounded_sum = _mm256_set1_ps(scale * static_cast<float>(k_sum));
+  add_minimum(y + o, d[0], d[1], m[0], m[1], rounded_sum);
+  add_minimum(y + o + 16, d[2], d[3], m[2], m[3], rounded_sum);
 }
 
 // Where a piece's block lies in its super-block (QK_K inputs), and the float sums the forms with byte
@@ -389,7 +386,7 @@ void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
     for (int r = 0; r < R; ++r) {
       if (scale[r] == 0.0f) continue;  // nothing of this row in the block
       for (int64_t g = 0; g < n; g += 32)
-        add_q4_outputs(l, block, table, c0 + g, acc + r * chunk + g, acc + r * chunk + g + 16, scale[r], k_sum[r], y + r * l.padded);
+        add_q4_min_outputs(l, block, c0 + g, acc + r * chunk + g, acc + r * chunk + g + 16, scale[r], k_sum[r], y + r * l.padded);
     }
   } else {
     rows_into_super_block<F, R, add_to_super_block<F>>(l, piece, c0, chunk, acc, nullptr, 0, super.first, super);
@@ -558,14 +555,14 @@ void dequantize_block(const RunLayout& l, const uint8_t* runs, int64_t b, int64_
     __m256 d[2][8], m[2][8];  // per sub-block (Q6: per 16 channels)
     // the byte scales of the 64 outputs (per sub-block; then Q4_K's minimums) in output order
     alignas(8) uint8_t in_order[3][64];
-    if (l.byte_scales())
+    const bool bytes = l.byte_scales();
+    if (bytes)
       for (int64_t o = 0; o < 64; ++o) {
         for (int64_t sub = 0; sub < l.sub_blocks(); ++sub) in_order[sub][o] = block[l.d_at(g + o, sub)];
         if (l.has_min()) in_order[2][o] = block[l.m_at(g + o)];
       }
     for (int64_t sub = 0; sub < l.sub_blocks(); ++sub)
       for (int r = 0; r < 8; ++r) {
-        const bool bytes = l.byte_scales();
         d[sub][r] = q4_scale(l, bytes ? in_order[sub] + 8 * r : block + l.d_at(g + 8 * r, sub), table + l.table_d_at(g + 8 * r));
         m[sub][r] = l.has_min() ? q4_scale(l, bytes ? in_order[2] + 8 * r : block + l.m_at(g + 8 * r), table + l.table_m_at(g + 8 * r))
                                 : _mm256_mul_ps(offset, d[sub][r]);
@@ -700,14 +697,8 @@ POWERINFER_TARGET_AVX512
 namespace powerinfer::avx512 {
 namespace {
 
-// The d (at d_at) or m (at m_at) of 16 outputs from `at` of a block of 4-bit runs: float16, or the
-// byte there (Q4: signed, Q4_K: unsigned) times the table's float16 (byte_scales).
-inline __m512 q4_scale(const RunLayout& l, const uint8_t* at, const uint8_t* table_at) {
-  const __m512 h = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(l.byte_scales() ? table_at : at)));
-  if (!l.byte_scales()) return h;
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
-  return _mm512_mul_ps(h, _mm512_cvtepi32_ps(l.form == RunForm::Q4_K ? _mm512_cvtepu8_epi32(bytes) : _mm512_cvtepi8_epi32(bytes)));
-}
+// 16 float16 at p as floats.
+inline __m512 sixteen_halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 // Of the four int16 vectors of 128 outputs' 4-bit sums at `sums` (see add_q4_piece), vectors u and
 // u + 1 (u = 0 or 2) as int32 sums of outputs u * 16 + [0, 16), [16, 32), [64, 80), [80, 96).
@@ -759,10 +750,9 @@ inline void add_two_pairs(int16_t* sums, const __m512i pair0[4], const __m512i p
 // The first output of sums_in_order's vector v of pair u, from o.
 inline int64_t in_order_output(int64_t o, int u, int v) { return o + 16 * u + 16 * (v % 2) + 64 * (v / 2); }
 
-// y[o .. o + 128) += a row's 4-bit sums of those outputs (the four int16 vectors at `sums`, see
-// add_q4_piece) times the block's d and the row's scale, plus the minimum term of the forms with one.
-inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, const uint8_t* table, int64_t o, const int16_t* sums,
-                           float scale, int32_t k_sum, float* y) {
+// As avx2::add_q4_min_outputs, 128 outputs (the four int16 vectors at `sums`, see add_q4_piece).
+inline void add_q4_min_outputs(const RunLayout& l, const uint8_t* block, int64_t o, const int16_t* sums, float scale,
+                               int32_t k_sum, float* y) {
   const __m512 row_scale = _mm512_set1_ps(scale);
   const __m512 rounded_sum = _mm512_set1_ps(scale * static_cast<float>(k_sum));
   const __m512 eight = _mm512_set1_ps(8.0f);
@@ -771,13 +761,9 @@ inline void add_q4_outputs(const RunLayout& l, const uint8_t* block, const uint8
     sums_in_order(sums, u, in_order);
     for (int v = 0; v < 4; ++v) {
       const int64_t at = in_order_output(o, u, v);
-      const __m512 d = q4_scale(l, block + l.d_at(at), table + l.table_d_at(at));
-      __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(in_order[v]), _mm512_mul_ps(row_scale, d), _mm512_loadu_ps(y + at));
-      if (l.has_min()) {
-        const __m512 m = q4_scale(l, block + l.m_at(at), table + l.table_m_at(at));
-        sum = _mm512_fmadd_ps(_mm512_fmadd_ps(eight, d, m), rounded_sum, sum);
-      }
-      _mm512_storeu_ps(y + at, sum);
+      const __m512 d = sixteen_halves(block + l.d_at(at)), m = sixteen_halves(block + l.m_at(at));
+      const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(in_order[v]), _mm512_mul_ps(row_scale, d), _mm512_loadu_ps(y + at));
+      _mm512_storeu_ps(y + at, _mm512_fmadd_ps(_mm512_fmadd_ps(eight, d, m), rounded_sum, sum));
     }
   }
 }
@@ -792,9 +778,6 @@ inline void add_scaled_floats(float* into, __m512i v, __m512 scale, bool first) 
 inline __m512i vector_bytes(const uint8_t* p) {
   return _mm512_cvtepi8_epi16(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p + 64), reinterpret_cast<const __m128i*>(p)));
 }
-
-// 16 float16 at p as floats.
-inline __m512 sixteen_halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 // As avx2::add_to_super_block, 128 outputs a step: vector v of the sums holds the AVX2 kernel's vector v
 // of the first 64 outputs and of the next 64, so its bytes are those two vectors' 16 each.
@@ -895,7 +878,7 @@ void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
     for (int r = 0; r < R; ++r) {
       if (scale[r] == 0.0f) continue;  // nothing of this row in the block
       for (int64_t g = 0; g < n; g += 128)
-        add_q4_outputs(l, block, table, c0 + g, acc + r * chunk + g, scale[r], k_sum[r], y + r * l.padded);
+        add_q4_min_outputs(l, block, c0 + g, acc + r * chunk + g, scale[r], k_sum[r], y + r * l.padded);
     }
   } else {
     rows_into_super_block<F, R, add_to_super_block<F>>(l, piece, c0, chunk, acc, nullptr, 0, super.first, super);
