@@ -110,6 +110,15 @@ def memory_bandwidth(seconds: float = 1.0) -> float:
     return data.nbytes / statistics.median(times) / 1e9
 
 
+def memory_read_rate() -> str:
+    """The read bandwidth the memory gives torch's threads now, for a results file: on a shared machine
+    the other tenants move it (34-77 GB/s for two threads on the AMD EPYC measured), and with it the
+    gain of reading fewer bytes (docs/sparsity.md)."""
+    import torch
+
+    return f"{memory_bandwidth():.0f} GB/s ({torch.get_num_threads()}-thread read)"
+
+
 def isa_environment(isa: str) -> dict[str, str]:
     """The environment that forces our kernels to `isa` in a new process. AVX2 is plain AVX2, as
     CPUs without AVX-VNNI run it and as llama.cpp's AVX2 build (GGML_AVX_VNNI off) computes."""

@@ -41,6 +41,7 @@ from common import (
     isa_environment,
     llama_cpp_isa,
     machine_description,
+    memory_read_rate,
     peak_rss,
     wikitext,
 )
@@ -240,6 +241,7 @@ def main() -> None:
     engines = [Engine(name, args.sparse_model if name == "powerinfer-sparse" else args.model, args.threads, n_ctx, isa)
                for name in args.engines]
     requests = [{"test": "pp", "ids": ids[: args.n_prompt]}, {"test": "tg", "tokens": ids[args.n_prompt :]}]
+    memory_before = memory_read_rate()
     for engine in engines:  # warm-up, not recorded
         for request in requests:
             engine.run(request)
@@ -249,6 +251,7 @@ def main() -> None:
             for request in requests:
                 engine.run(request)
         print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr)
+    memory_after = memory_read_rate()
     for engine in engines:  # after the timings: counting selections slows a step down
         engine.run({"test": "bytes", "tokens": ids[args.n_prompt :]})
         engine.close()
@@ -271,7 +274,8 @@ def main() -> None:
     report = [
         "# Engines side by side" if args.sparse_model else "# Dense engines side by side",
         "",
-        f"Measured {datetime.date.today().isoformat()} on {machine_description()}.",
+        f"Measured {datetime.date.today().isoformat()} on {machine_description()}; memory read {memory_before} before",
+        f"the timings, {memory_after} after.",
         f"Model: `{Path(args.model).name}`; {args.threads} threads; medians of {args.reps} interleaved repetitions",
         "(after one warm-up each). Decode: tg = single-token steps from an empty cache over wikitext-2 test tokens;",
         "prefill: one batch of wikitext-2 test tokens from an empty cache. powerinfer-sparse: the file",

@@ -36,7 +36,7 @@ from powerinfer.ops import native
 from powerinfer.ops.quant import T, random_blocks
 from powerinfer.sparse.sparsify import Target, sparsify
 
-from common import LLAMA_CPP_BUILDS, bytes_per_token, decode_rate, machine_description, wikitext
+from common import LLAMA_CPP_BUILDS, bytes_per_token, decode_rate, machine_description, memory_read_rate, wikitext
 
 N_EMBD, N_FF, N_HEAD, N_LAYERS = 4096, 11008, 32, 8
 RESULTS = Path(__file__).parent / "results"
@@ -100,6 +100,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     MODELS.mkdir(parents=True, exist_ok=True)
     calibration = wikitext("valid.txt")
+    memory_before = memory_read_rate()
     lines = []
     for kind in args.types:
         dense_path = MODELS / f"llama-7bw-8l.{kind.lower()}.gguf"
@@ -129,7 +130,8 @@ def main() -> None:
     header = (f"# Input sparsity at 7B width: decode tok/s, sparsified vs dense\n\n"
               f"Measured {datetime.date.today()} on {machine_description()}; {args.threads} threads; kernels "
               f"{native.kernels_label() if native.load() else 'plain torch'}; {args.n_gen} tokens per run, median of "
-              f"{args.reps} interleaved runs.\n\n"
+              f"{args.reps} interleaved runs. Memory read {memory_before} before the runs, {memory_read_rate()} "
+              f"after.\n\n"
               "| types | sparsity | decode tok/s | vs dense | MB read per token |\n| --- | --- | --- | --- | --- |\n")
     args.out.write_text(header + "\n".join(lines) + f"\n\nCommand: `.venv/bin/python benchmarks/sparse_7b.py "
                         f"--types {' '.join(args.types)} --sparsity {' '.join(map(str, args.sparsity))}`\n")

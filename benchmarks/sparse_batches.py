@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from common import benchmark_model, machine_description, wikitext
+from common import benchmark_model, machine_description, memory_read_rate, wikitext
 
 PROMPT_TOKENS = 64
 
@@ -59,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     from powerinfer import LLM
 
-    machine = machine_description()
+    machine, memory_before = machine_description(), memory_read_rate()
     dense_path = benchmark_model(args.model)
     files = {"dense": dense_path, "sparse": args.sparse_model}
     llms = {name: LLM(str(path), threads=args.threads, parallel=max(args.rows)) for name, path in files.items()}
@@ -78,7 +78,8 @@ def main() -> None:
         "# Batched decode: a sparsified file against its dense source",
         "",
         f"Measured {datetime.date.today().isoformat()} on {machine}; {args.threads} threads; load average "
-        f"{', '.join(f'{x:.2f}' for x in os.getloadavg())} at the end.",
+        f"{', '.join(f'{x:.2f}' for x in os.getloadavg())} at the end; memory read {memory_before} at the start, "
+        f"{memory_read_rate()} at the end.",
         "",
         f"Dense: `{dense_path.name}`; sparse: `{args.sparse_model.name}` ({llms['sparse'].sparsity}). "
         f"{args.n_gen} greedy steps of R sequences at once after {PROMPT_TOKENS}-token prompts; tok/s counts "
