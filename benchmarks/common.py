@@ -112,7 +112,7 @@ def memory_bandwidth(seconds: float = 1.0) -> float:
 
 def memory_read_rate() -> str:
     """The read bandwidth the memory gives torch's threads now, for a results file: on a shared machine
-    the other tenants move it (34-77 GB/s for two threads on the AMD EPYC measured), and with it the
+    the other tenants move it (34-86 GB/s for two threads on the AMD EPYC measured), and with it the
     gain of reading fewer bytes (docs/sparsity.md)."""
     import torch
 

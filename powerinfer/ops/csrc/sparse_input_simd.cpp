@@ -250,6 +250,9 @@ inline void add_q4_min_outputs(const RunLayout& l, const uint8_t* block, int64_t
 struct SuperBlockSums {
   float *sums, *min_sums;  // null where the form has no byte scales (no minimums)
   bool first, last;
+
+  // The super-block's table for fetch_scales to fetch ahead: only on its last block, the one that reads it.
+  const uint8_t* table_to_fetch(const uint8_t* table) const { return last ? table : nullptr; }
 };
 
 // What one block adds to a row's super-block sums: its int16 sums (Q6: a sub-block's two sets), its
@@ -373,7 +376,7 @@ void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
     pair_ks<Q4_GROUP, R, false>(s, j, j1, k);
     for (int64_t g = 0; g < n; g += 64) {
       next.fetch(g / 2);
-      if (j + Q4_GROUP >= j1) fetch_scales(l, block, super.last ? table : nullptr, c0 + g, 64);
+      if (j + Q4_GROUP >= j1) fetch_scales(l, block, super.table_to_fetch(table), c0 + g, 64);
       __m256i both[Q4_GROUP / 2][4];
       for (int h = 0; h < Q4_GROUP / 2; ++h) {
         __m256i lo0, hi0, lo1, hi1;
@@ -461,7 +464,7 @@ void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
       pair_ks<Q4_GROUP, R, false>(s, j, b, k);
       for (int64_t g = 0; g < n; g += 64) {
         if (g % 128 == 0) next.fetch_span(l.run_byte(g), l.run_byte(g + 128));
-        if (j + Q4_GROUP >= b) fetch_scales(l, block, super.last ? table : nullptr, c0 + g, 64);
+        if (j + Q4_GROUP >= b) fetch_scales(l, block, super.table_to_fetch(table), c0 + g, 64);
         __m256i six[Q4_GROUP / 2][4];
         for (int h = 0; h < Q4_GROUP / 2; ++h) {
           const uint8_t *w0 = w[2 * h], *w1 = w[2 * h + 1];
@@ -865,7 +868,7 @@ void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
       for (int r = 0; r < R; ++r) k[h][r] = _mm512_set1_epi16(byte_pair(s, j + 2 * h, j1, r));
     for (int64_t g = 0; g < n; g += 128) {
       next.fetch(g / 2);
-      if (j + Q4_GROUP >= j1) fetch_scales(l, block, super.last ? table : nullptr, c0 + g, 128);
+      if (j + Q4_GROUP >= j1) fetch_scales(l, block, super.table_to_fetch(table), c0 + g, 128);
       __m512i both[Q4_GROUP / 2][4];
       for (int h = 0; h < Q4_GROUP / 2; ++h) {
         __m512i lo0, hi0, lo1, hi1;
@@ -921,7 +924,7 @@ void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
         for (int r = 0; r < R; ++r) k[h][r] = _mm512_set1_epi16(byte_pair(s, j + 2 * h, b, r));
       for (int64_t g = 0; g < n; g += 128) {
         next.fetch_span(l.run_byte(g), l.run_byte(g + 128));
-        if (j + Q4_GROUP >= b) fetch_scales(l, block, super.last ? table : nullptr, c0 + g, 128);
+        if (j + Q4_GROUP >= b) fetch_scales(l, block, super.table_to_fetch(table), c0 + g, 128);
         __m512i six[Q4_GROUP / 2][4];
         for (int h = 0; h < Q4_GROUP / 2; ++h) {  // a 128 outputs' 64 bytes of nibbles, then 32 of top bits
           const uint8_t *w0 = w[2 * h], *w1 = w[2 * h + 1];
