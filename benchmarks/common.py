@@ -243,6 +243,17 @@ def decode_rate(llm, prompt: list[int], n_gen: int) -> float:
     return n_gen / (time.perf_counter() - started)
 
 
+def prefill_rate(llm, tokens: list[int]) -> float:
+    """`tokens` as one prompt (tok/s), on `llm`'s engine from an empty slot."""
+    import time
+
+    engine = llm.engine
+    engine.release(0)
+    started = time.perf_counter()
+    engine.extend(0, tokens)
+    return len(tokens) / (time.perf_counter() - started)
+
+
 def linear_bytes_read(llm) -> float:
     """The block linears' and the output head's bytes that `llm`'s last single-token step read: what a
     column layout's last call read (its active blocks' scales, its active channels' runs), the other

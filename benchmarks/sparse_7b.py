@@ -10,8 +10,9 @@ one reads more dense bytes per token than Llama-2's would). Each target sparsity
 wikitext-2 valid (`sparsify`, TEAL's uniform thresholds: random weights give the allocation nothing
 to find) and written as its own file.
 
-Speed: `Engine` single-token decode steps after a short prompt, the dense and sparse files loaded
-once, runs interleaved, medians. Bytes per token: what each file's linears read (the column
+Speed: `Engine` single-token decode steps after a short prompt, and a 512-token prompt's prefill
+(every channel of each row's selection through the dense kernels: sparse_input.cpp), the dense and
+sparse files loaded once, runs interleaved, medians. Bytes per token: what each file's linears read (the column
 layouts' share of channels measured over the decoded tokens). The files are cached in
 ~/.cache/powerinfer/bench. Results: benchmarks/results/sparse_7b.md.
 """
@@ -36,7 +37,7 @@ from powerinfer.ops import native
 from powerinfer.ops.quant import T, random_blocks
 from powerinfer.sparse.sparsify import Target, sparsify
 
-from common import LLAMA_CPP_BUILDS, bytes_per_token, decode_rate, machine_description, memory_read_rate, wikitext
+from common import LLAMA_CPP_BUILDS, bytes_per_token, decode_rate, machine_description, memory_read_rate, prefill_rate, wikitext
 
 N_EMBD, N_FF, N_HEAD, N_LAYERS = 4096, 11008, 32, 8
 RESULTS = Path(__file__).parent / "results"
@@ -95,6 +96,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--n-gen", type=int, default=32)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill timing (0: none)")
     parser.add_argument("--out", type=Path, default=RESULTS / "sparse_7b.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -115,26 +117,36 @@ def main() -> None:
             files[f"{target:.0%}"] = path
         llms = {label: LLM(path) for label, path in files.items()}
         prompt = llms["dense"].tokenize("The tower is 324 metres tall, about the same height as")
+        long_prompt = llms["dense"].tokenize(calibration[:40_000])[:args.prefill]
         rates: dict[str, list[float]] = {label: [] for label in llms}
+        prefill: dict[str, list[float]] = {label: [] for label in llms}
         for rep in range(args.reps + 1):  # the first round warms up
             for label, llm in llms.items():
                 rate = decode_rate(llm, prompt, args.n_gen)
                 if rep:
                     rates[label].append(rate)
+                if rep and long_prompt:
+                    prefill[label].append(prefill_rate(llm, long_prompt))
         dense_rate = statistics.median(rates["dense"])
+        dense_prefill = statistics.median(prefill["dense"]) if long_prompt else 0.0
         for label, llm in llms.items():
             rate = statistics.median(rates[label])
+            prefill_cells = (f"{statistics.median(prefill[label]):.1f} | {statistics.median(prefill[label]) / dense_prefill:.2f}x"
+                             if long_prompt else "- | -")
             lines.append(f"| {kind} | {label} | {rate:.2f} | {rate / dense_rate:.2f}x | "
-                         f"{bytes_per_token(llm, prompt, args.n_gen) / 1e6:.0f} |")
+                         f"{bytes_per_token(llm, prompt, args.n_gen) / 1e6:.0f} | {prefill_cells} |")
             print(lines[-1], flush=True)
     header = (f"# Input sparsity at 7B width: decode tok/s, sparsified vs dense\n\n"
               f"Measured {datetime.date.today()} on {machine_description()}; {args.threads} threads; kernels "
               f"{native.kernels_label() if native.load() else 'plain torch'}; {args.n_gen} tokens per run, median of "
               f"{args.reps} interleaved runs. Memory read {memory_before} before the runs, {memory_read_rate()} "
               f"after.\n\n"
-              "| types | sparsity | decode tok/s | vs dense | MB read per token |\n| --- | --- | --- | --- | --- |\n")
+              f"Prefill: a {args.prefill}-token prompt (wikitext-2 valid) from an empty cache, median of the "
+              f"same runs.\n\n"
+              "| types | sparsity | decode tok/s | vs dense | MB read per token | prefill tok/s | vs dense |\n"
+              "| --- | --- | --- | --- | --- | --- | --- |\n")
     args.out.write_text(header + "\n".join(lines) + f"\n\nCommand: `.venv/bin/python benchmarks/sparse_7b.py "
-                        f"--types {' '.join(args.types)} --sparsity {' '.join(map(str, args.sparsity))}`\n")
+                        f"--types {' '.join(args.types)} --sparsity {' '.join(map(str, args.sparsity))} --prefill {args.prefill}`\n")
     print(f"wrote {args.out}")
 
 

@@ -97,19 +97,37 @@ def runs_bound(x: torch.Tensor, m: RowMatrix, w: torch.Tensor) -> torch.Tensor:
     return torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
 
 
-def check(layer, matrices, thresholds, x, rounds=True, exact_scales=False):
-    """The layer's result against the masked product; exact_scales: the runs round no scale."""
+def dense_kernels_x_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the dense row kernels' rounding of x may cost: to bfloat16 (AVX-512 and scalar, 2^-9
+    relative) or to int8 per block of 32 (AVX2, half a step: the block's largest |x| / 254)."""
+    blocks = x.abs().view(x.shape[0], -1, 32)
+    half_step = (blocks.amax(dim=2, keepdim=True) / 254).expand_as(blocks).reshape(x.shape)
+    return (x.abs() * 2.0**-9 + half_step) @ w.abs().T
+
+
+def check(layer, matrices, thresholds, x, x_rounding="decode", exact_scales=False):
+    """The layer's result against the masked product; exact_scales: the runs round no scale.
+    x_rounding: "decode" (the runs' kernels: x to int8 per block, exactly as `rounded`), "prefill"
+    (many rows: the dense kernels' rounding, within dense_kernels_x_bound) or "none"."""
     got = layer(x)
-    xr = rounded(x, thresholds) if rounds else torch.where(x.abs() > thresholds, x, torch.zeros_like(x)).double()
+    masked = torch.where(x.abs() > thresholds, x, torch.zeros_like(x)).double()
+    xr = rounded(x, thresholds) if x_rounding == "decode" else masked
     weights = [gguf_weight(m) for m in matrices]
     expected = xr @ torch.cat(weights).T
     bound = float32_bound(xr, torch.cat(weights))
+    if x_rounding == "prefill":
+        bound = bound + dense_kernels_x_bound(xr, torch.cat(weights))
     if not exact_scales:
         bound = bound + torch.cat([runs_bound(xr, m, w) for m, w in zip(matrices, weights)], dim=1)
     assert got.dtype == torch.float32 and got.shape == expected.shape
     worst = ((got.double() - expected).abs() / bound).max().item()
     assert worst <= 1.0, f"error {worst:.3g} times the bound"
     return got
+
+
+def x_rounding(rows: int) -> str:
+    """How a call of this many rows rounds x (check's x_rounding)."""
+    return "decode" if rows <= SPARSE_MAX_ROWS else "prefill"
 
 
 def inputs(rows: int, in_features: int, seed: int) -> torch.Tensor:
@@ -211,22 +229,39 @@ def test_many_rows_select_as_one_row_does(rows, form, each_isa):
     x = inputs(rows, 256, seed=15)
     thresholds = thresholds_at(x, 0.5, seed=16)
     layer = column_linear(matrices, thresholds)
-    check(layer, matrices, thresholds, x, rounds=False)
+    check(layer, matrices, thresholds, x, x_rounding="prefill")
     assert layer.last_selected == int((x.abs() > thresholds).sum())
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_1])
-def test_many_rows_of_a_wide_projection_get_their_one_row_results_exactly(ggml_type, each_isa):
-    """A prefill through a wide projection (4096 outputs or more: heads, 7B widths) goes in groups of
-    rows, as decoding does: each row's bits are its one-row result's."""
-    m = matrix(ggml_type, 8200, 64, seed=25)
-    x = inputs(SPARSE_MAX_ROWS + 3, 64, seed=26)
+def q4_0_as_the_runs_hold_it(m: RowMatrix) -> RowMatrix:
+    """Q4_0 rows with each d as the runs keep it: a signed byte times a float16 step D per 256 inputs
+    (their largest |d| / 127), the product rounded to float16."""
+    rows = m.rows.clone().view(m.out_features, -1, 18)
+    d = rows[:, :, :2].contiguous().view(torch.float16).squeeze(2).float()
+    padded = torch.nn.functional.pad(d.abs(), (0, -d.shape[1] % 8))
+    step = (padded.view(d.shape[0], -1, 8).amax(dim=2) / 127).half().float().repeat_interleave(8, dim=1)[:, :d.shape[1]]
+    units = torch.where(step > 0, (d / step).round().clamp(-127, 127), torch.zeros_like(d))
+    rows[:, :, :2] = (step * units).half().view(torch.uint8).view(d.shape[0], d.shape[1], 2)
+    return RowMatrix(rows.view(m.out_features, -1), T.Q4_0, m.in_features)
+
+
+@pytest.mark.parametrize("types", [[T.Q4_1], [T.Q8_0], [T.Q4_0], [T.Q4_K, T.Q4_K, T.Q6_K]])
+def test_prefill_is_the_dense_kernels_on_the_rows_bit_for_bit(types, each_isa):
+    """Many rows go through the runs repacked into the dense kernels' layout: the result is the dense
+    kernels' on the file's rows with each row's skipped channels set to 0, bit for bit (Q4_0: on rows
+    with the runs' d), for outputs off the repacking's 64 and for parts side by side (a Q4_K_M
+    file's q, k and v)."""
+    matrices = [matrix(t, out, 512, seed=25 + i) for i, (t, out) in enumerate(zip(types, [200, 72, 72]))]
+    x = inputs(SPARSE_MAX_ROWS + 9, 512, seed=26)
     thresholds = thresholds_at(x, 0.5, seed=27)
-    layer = column_linear([m], thresholds)
-    together = check(layer, [m], thresholds, x)
+    layer = column_linear(matrices, thresholds)
+    got = layer(x)
     assert layer.last_selected == int((x.abs() > thresholds).sum())
-    for row in (0, SPARSE_MAX_ROWS, SPARSE_MAX_ROWS + 2):
-        assert torch.equal(layer(x[row:row + 1]), together[row:row + 1])
+    rows = [q4_0_as_the_runs_hold_it(m) if m.ggml_type == T.Q4_0 else m for m in matrices]
+    dense = linear.build_linear([GGUFTensor(f"w{i}", m.ggml_type, (m.out_features, 512), m.rows.numpy())
+                                 for i, m in enumerate(rows)])
+    assert isinstance(dense, linear.QuantLinear)
+    assert torch.equal(got, dense(torch.where(x.abs() > thresholds, x, torch.zeros_like(x))))
 
 
 def test_gguf_tensors_build_the_same_layer():
@@ -255,7 +290,7 @@ def test_without_the_native_module_the_torch_reference_runs(monkeypatch):
     layer = column_linear(matrices, thresholds)
     assert layer.projection is None and layer.last_selected is None
     assert torch.allclose(layer(x), sparse_reference(matrices, thresholds, x))
-    check(layer, matrices, thresholds, x, rounds=False)
+    check(layer, matrices, thresholds, x, x_rounding="none")
 
 
 def test_types_without_runs_are_refused():
@@ -279,7 +314,7 @@ def test_parts_of_each_form_side_by_side_equal_the_masked_product(rows, each_isa
     x = inputs(rows, 256, seed=35)
     thresholds = thresholds_at(x, 0.5, seed=36)
     layer = column_linear(matrices, thresholds)
-    check(layer, matrices, thresholds, x, rounds=rows <= SPARSE_MAX_ROWS)
+    check(layer, matrices, thresholds, x, x_rounding=x_rounding(rows))
     # per block of 32 inputs: Q4_K (130 outputs padded to 256) 18.5 bytes per 32 weights, with its
     # table; Q6 (131 to 256, then 40 to 128) 26 and 0.25 in its table; Q8 (50 to 128) 34
     assert layer.nbytes == 8 * (256 * 37 // 2 + 384 * 26 + 128 * 34) + 384 * 2
@@ -289,7 +324,7 @@ def test_bytes_read_are_the_active_blocks_scales_and_channels_runs():
     """A Q4_0 part (200 outputs padded to 256: per block 256 scale bytes, per channel a 128-byte run,
     per super-block a 512-byte table entry) and a Q8_0 one (100 to 128: 256 and 128 bytes, no table),
     one row: a block without an active channel is not read; every channel of a call of many rows
-    (prefill's tiles) is."""
+    (prefill) is."""
     matrices = [matrix(T.Q4_0, 200, 512, seed=50), matrix(T.Q8_0, 100, 512, seed=51)]
     x = torch.zeros(1, 512)
     x[0, [0, 5, 40, 300]] = 1.0  # blocks 0, 1, 9: super-blocks 0 and 1
@@ -312,20 +347,20 @@ def test_q4_0_scales_are_bytes_on_a_step_per_256_inputs(rows, each_isa):
     thresholds = thresholds_at(x, 0.4, seed=49)
     layer = column_linear([m], thresholds)
     assert layer.nbytes == 256 * (11 * 17 + 2 * 2)
-    check(layer, [m], thresholds, x, rounds=rows <= SPARSE_MAX_ROWS)
+    check(layer, [m], thresholds, x, x_rounding=x_rounding(rows))
 
 
 @pytest.mark.parametrize("rows", [1, 4, SPARSE_MAX_ROWS + 1])
 def test_q4_k_keeps_its_scales(rows, each_isa):
     """Q4_K's runs keep its 4-bit q and its scales exactly: sc and mn as bytes per output and 32
     inputs, the float16 D and M per 256 inputs: 18.5 bytes per 32 weights. Decoding, groups of rows
-    and prefill's tiles alike."""
+    and prefill alike."""
     m = matrix(T.Q4_K, 200, 512, seed=40)
     x = inputs(rows, 512, seed=41)
     thresholds = thresholds_at(x, 0.4, seed=42)
     layer = column_linear([m], thresholds)
     assert layer.nbytes == 256 * 512 // 32 * 18.5
-    check(layer, [m], thresholds, x, rounds=rows <= SPARSE_MAX_ROWS, exact_scales=True)
+    check(layer, [m], thresholds, x, x_rounding=x_rounding(rows), exact_scales=True)
 
 
 @pytest.mark.parametrize("rows", [1, 4, SPARSE_MAX_ROWS + 1])
@@ -343,11 +378,11 @@ def test_q6_k_keeps_its_bits_and_sums_its_extremes_exactly(rows, each_isa):
     thresholds = torch.zeros(512)
     layer = column_linear([m], thresholds)
     assert layer.nbytes == 256 * 512 // 32 * 26 + 2 * 2 * 256
-    check(layer, [m], thresholds, x, rounds=rows <= SPARSE_MAX_ROWS, exact_scales=True)
+    check(layer, [m], thresholds, x, x_rounding=x_rounding(rows), exact_scales=True)
     m = matrix(T.Q6_K, 200, 512, seed=43)
     x = inputs(rows, 512, seed=44)
     thresholds = thresholds_at(x, 0.4, seed=45)
-    check(column_linear([m], thresholds), [m], thresholds, x, rounds=rows <= SPARSE_MAX_ROWS, exact_scales=True)
+    check(column_linear([m], thresholds), [m], thresholds, x, x_rounding=x_rounding(rows), exact_scales=True)
 
 
 def test_bad_shapes_are_refused():

@@ -12,11 +12,11 @@ inputs (the scales are read whatever is skipped: bytes read faster), the one rou
 (docs/sparsity.md gives its cost); a linear of another type stays by rows (RUN_TYPES).
 
 Up to `SPARSE_MAX_ROWS` rows read only their active channels' runs (in groups of up to four rows,
-each run of the group's union read once); more rows (prefill) do so too where the linear has many
-outputs (sparse_input.cpp), else read all the runs, each row's skipped channels set to 0 (the same
-result, to rounding: logits do not depend on batching). The
-kernels round x to int8 per block of 32 inputs, as the dense row kernels do. `sparse_reference` is
-the plain-torch reference, used where the native module is absent.
+each run of the group's union read once; the kernels round x to int8 per block of 32 inputs, as the
+dense row kernels do on AVX2). More rows (prefill) read all the runs, each row's skipped channels set
+to 0: the runs are repacked a few outputs at a time into the dense row kernels' layout, and those
+kernels multiply every row (the same result, to rounding). `sparse_reference` is the plain-torch
+reference, used where the native module is absent.
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ from powerinfer.ops.linear import Linear, mapped_tensor, slice_bounds
 from powerinfer.ops.quant import T, dequantize_rows
 from powerinfer.sparse.select import kept
 
-# Calls with more rows than this take the prefill path: a linear with few outputs then reads every
-# channel (a union of many rows' channels is most of them, and a matrix product of dequantized tiles
-# is then faster); one with many outputs goes on in groups of rows (sparse_input.cpp says where).
+# Calls with more rows than this take the prefill path: every channel through the dense kernels (a
+# union of many rows' channels is most of them; sparse_input.cpp gives the measurements).
 SPARSE_MAX_ROWS = 32
 
 # The row types that channel runs take, in any mix (sparse_input.h: their forms).

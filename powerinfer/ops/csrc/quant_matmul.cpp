@@ -16,13 +16,10 @@ int64_t quant_packed_bytes(int64_t type, int64_t rows, int64_t row_bytes) {
   return (rows + COLS - 1) / COLS * (row_bytes / f.bytes) * packed_layout(f).bytes;
 }
 
-namespace {
-
-void pack_chunk(const BlockFormat& f, const PackedLayout& l, const uint8_t* const* blocks, int n_rows, uint8_t* chunk) {
+void pack_decoded(const BlockFormat& f, const PackedLayout& l, const DecodedBlock* blocks, int n_rows, uint8_t* chunk) {
   std::memset(chunk, 0, l.bytes);
-  DecodedBlock b;
   for (int o = 0; o < n_rows; ++o) {
-    decode_block(f, blocks[o], b);
+    const DecodedBlock& b = blocks[o];
     std::memcpy(chunk + l.d + 2 * o, &b.d, 2);
     if (l.dmin >= 0) std::memcpy(chunk + l.dmin + 2 * o, &b.dmin, 2);
     for (int64_t j = 0; f.sub_scales && j < f.n_sub(); ++j) {
@@ -42,8 +39,6 @@ void pack_chunk(const BlockFormat& f, const PackedLayout& l, const uint8_t* cons
   }
 }
 
-}  // namespace
-
 torch::Tensor quant_repack(const torch::Tensor& raw, int64_t type, const torch::Tensor& destination) {
   const BlockFormat& f = block_format(type);
   TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.size(1) % f.bytes == 0, "raw rows must be uint8 [rows, k * ", f.bytes, "]");
@@ -57,12 +52,12 @@ torch::Tensor quant_repack(const torch::Tensor& raw, int64_t type, const torch::
   const uint8_t* src = rows.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, out.size(0), 1, [&](int64_t begin, int64_t end) {
-    const uint8_t* blocks[COLS];
+    DecodedBlock blocks[COLS];
     for (int64_t nb = begin; nb < end; ++nb) {
       const int n = static_cast<int>(std::min(COLS, n_rows - nb * COLS));
       for (int64_t sb = 0; sb < n_blocks; ++sb) {
-        for (int o = 0; o < n; ++o) blocks[o] = src + (nb * COLS + o) * row_bytes + sb * f.bytes;
-        pack_chunk(f, l, blocks, n, dst + (nb * n_blocks + sb) * l.bytes);
+        for (int o = 0; o < n; ++o) decode_block(f, src + (nb * COLS + o) * row_bytes + sb * f.bytes, blocks[o]);
+        pack_decoded(f, l, blocks, n, dst + (nb * n_blocks + sb) * l.bytes);
       }
     }
   });
@@ -164,9 +159,7 @@ void quant_output_block(const PackedMatrix& w, int64_t nb, const PreparedInput& 
 
 }  // namespace scalar
 
-namespace {
-
-OutputBlockKernel kernel_for(Isa isa) {
+OutputBlockKernel output_block_kernel(Isa isa) {
   switch (isa) {
 #ifdef POWERINFER_X86
     case Isa::AVX512: return avx512::quant_output_block;
@@ -176,7 +169,6 @@ OutputBlockKernel kernel_for(Isa isa) {
   }
 }
 
-}  // namespace
 
 QuantProjection::QuantProjection(std::vector<torch::Tensor> chunks_, std::vector<int64_t> types_, std::vector<int64_t> rows_)
     : chunks(std::move(chunks_)), types(std::move(types_)), rows(std::move(rows_)), out_features(0) {
@@ -213,7 +205,7 @@ torch::Tensor QuantProjection::operator()(const torch::Tensor& x) const {
     tasks += chunks[i].size(0) * row_blocks;
     column += rows[i];
   }
-  const OutputBlockKernel kernel = kernel_for(isa);
+  const OutputBlockKernel kernel = output_block_kernel(isa);
   float* y = out.data_ptr<float>();
   at::parallel_for(0, tasks, 0, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {

@@ -114,6 +114,9 @@ struct PackedMatrix {
   int64_t rows, column;
 };
 
+// Chunk of n_rows outputs (COLS at most; the rest zero) of one block of format f, from their decoded
+// blocks (ggml_blocks.h): quant_repack's rows, and prefill's channel runs (sparse_input.h).
+void pack_decoded(const BlockFormat& f, const PackedLayout& l, const DecodedBlock* blocks, int n_rows, uint8_t* chunk);
 // x prepared for the kernels of one instruction set.
 // AVX-512 and scalar: the float32 sum of every 16 and every 32 of each row's inputs rounded to
 // bfloat16, and the rounded inputs. For the AVX-512 kernel they are bfloat16 pairs (inputs 2k,
@@ -137,6 +140,7 @@ PreparedInput prepare_input(const float* x, int64_t M, int64_t K, Isa isa);
 using OutputBlockKernel = void (*)(const PackedMatrix& w, int64_t nb, const PreparedInput& x, int64_t m0, int rows,
                                    float* out, int64_t ldc, int cols);
 
+OutputBlockKernel output_block_kernel(Isa isa);  // the instruction set's kernel
 namespace scalar { void quant_output_block(const PackedMatrix&, int64_t, const PreparedInput&, int64_t, int, float*, int64_t, int); }
 namespace avx2 {
 void quant_output_block(const PackedMatrix&, int64_t, const PreparedInput&, int64_t, int, float*, int64_t, int);

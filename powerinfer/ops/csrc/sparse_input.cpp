@@ -3,6 +3,8 @@
 // sparse_input_simd.cpp holds the AVX2 one.
 #include "sparse_input.h"
 
+#include "quant_matmul.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -86,6 +88,21 @@ uint8_t q4_scale_byte(float d, const uint8_t* table_d) {
   return static_cast<uint8_t>(static_cast<int8_t>(std::isnan(units) ? 0.0f : std::clamp(units, -127.0f, 127.0f)));
 }
 
+}  // namespace
+
+GgmlType packed_type(RunForm form) {
+  switch (form) {
+    case RunForm::Q4: return GgmlType::Q4_0;
+    case RunForm::Q4_MIN: return GgmlType::Q4_1;
+    case RunForm::Q4_K: return GgmlType::Q4_K;
+    case RunForm::Q8: return GgmlType::Q8_0;
+    case RunForm::Q6: return GgmlType::Q6_K;
+  }
+  throw std::invalid_argument("not a run form");
+}
+
+namespace {
+
 // The form that rows of this type take.
 RunForm form_of(const BlockFormat& f) {
   switch (f.type) {
@@ -139,14 +156,47 @@ int64_t run_bytes(const std::vector<RunPart>& parts) {
 
 namespace scalar {
 
-void dequantize_block(const RunLayout& l, const uint8_t* runs, int64_t b, int64_t o0, float* out, int64_t ld) {
-  const uint8_t* block = runs + b * l.block_bytes();
-  for (int64_t o = o0; o < l.out_features; ++o)
-    for (int64_t sub = 0; sub < l.sub_blocks(); ++sub) {
-      const auto [d, m] = scales_at(l, runs, b, o, sub);
-      for (int64_t c = sub * QK / l.sub_blocks(); c < (sub + 1) * QK / l.sub_blocks(); ++c)
-        out[c * ld + o] = d * static_cast<float>(q_at(l, block, c, o)) + m;
+// Output o of the runs over file block fb's inputs, as decode_block gives a block of packed_type(form).
+void decode_runs(const RunLayout& l, const uint8_t* runs, const BlockFormat& f, int64_t fb, int64_t o, DecodedBlock& out) {
+  const auto u16 = [](const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; };
+  out.dmin = 0, out.sc[0] = 1, out.mn[0] = 1;
+  const int64_t per_block = f.n / QK;  // run blocks per file block
+  for (int64_t sub = 0; sub < per_block; ++sub) {
+    const int64_t b = fb * per_block + sub;
+    const uint8_t* block = runs + b * l.block_bytes();
+    const uint8_t* table = table_of(l, runs, b);
+    switch (l.form) {
+      case RunForm::Q4:
+        out.d = half_bits(half_to_float(table + l.table_d_at(o)) * static_cast<int8_t>(block[l.d_at(o)]));
+        break;
+      case RunForm::Q4_MIN: out.d = u16(block + l.d_at(o)), out.dmin = u16(block + l.m_at(o)); break;
+      case RunForm::Q8: out.d = u16(block + l.d_at(o)); break;
+      case RunForm::Q4_K:
+        out.d = u16(table + l.table_d_at(o)), out.dmin = u16(table + l.table_m_at(o));
+        out.sc[sub] = static_cast<int8_t>(block[l.d_at(o)]), out.mn[sub] = block[l.m_at(o)];
+        break;
+      case RunForm::Q6:
+        out.d = u16(table + l.table_d_at(o));
+        for (int64_t h = 0; h < l.sub_blocks(); ++h) out.sc[sub * l.sub_blocks() + h] = static_cast<int8_t>(block[l.d_at(o, h)]);
+        break;
     }
+    for (int64_t c = 0; c < QK; ++c) out.q[sub * QK + c] = static_cast<uint8_t>(q_at(l, block, c, o) + (l.form == RunForm::Q8 ? 128 : 0));
+  }
+}
+
+void repack_runs(const RunLayout& l, const uint8_t* runs, int64_t g, uint8_t* chunks) {
+  const BlockFormat& f = block_format(static_cast<int64_t>(packed_type(l.form)));
+  const PackedLayout packed = packed_layout(f);
+  const int64_t per_row = l.in_features / f.n;
+  DecodedBlock blocks[COLS];
+  for (int64_t nb = 0; nb < 4; ++nb) {
+    const int64_t first = g + nb * COLS;
+    const int n = static_cast<int>(std::clamp<int64_t>(l.out_features - first, 0, COLS));
+    for (int64_t fb = 0; fb < per_row; ++fb) {
+      for (int o = 0; o < n; ++o) decode_runs(l, runs, f, fb, first + o, blocks[o]);
+      pack_decoded(f, packed, blocks, n, chunks + (nb * per_row + fb) * packed.bytes);
+    }
+  }
 }
 
 void add_runs(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
@@ -179,37 +229,35 @@ void add_runs(const RunLayout& l, const uint8_t* runs, const Selection& s, int64
 
 namespace {
 
-// The kernels of the active instruction set (AVX-512 CPUs take AVX2's dequantizer, which serves
-// prefill tiles only).
+// The kernels of the active instruction set (AVX-512 CPUs take AVX2's repacker, which serves prefill
+// only).
 struct RunKernels {
   RunKernel add;
-  BlockDequantizer dequantize;
+  RunRepacker repack;
 };
 
 RunKernels run_kernels() {
   switch (active_isa()) {
 #ifdef POWERINFER_X86
-    case Isa::AVX512: return {avx512::add_runs, avx2::dequantize_block};
-    case Isa::AVX2: return {avx2::add_runs, avx2::dequantize_block};
+    case Isa::AVX512: return {avx512::add_runs, avx2::repack_runs};
+    case Isa::AVX2: return {avx2::add_runs, avx2::repack_runs};
 #endif
-    default: return {scalar::add_runs, scalar::dequantize_block};
+    default: return {scalar::add_runs, scalar::repack_runs};
   }
 }
 
-// Prefill: blocks dequantized per tile of at most this many float32 bytes, which stay in cache for
-// the product (measured on the column layout before it, 4096 x 4096 Q4_0, 9 rows, one thread:
-// 16 MiB tiles 27 ms, 1 MiB 13 ms).
-constexpr int64_t TILE_BYTES = 1 << 20;
+// Prefill (more than sparse_max_rows rows) reads every channel: the runs repacked 64 outputs at a time
+// into the dense kernels' chunks (exactly their rows' chunks, Q4_0's d aside: D sc in float16), which
+// then meet every row, as QuantProjection's do. Measured (AMD EPYC with AVX-512, 2 threads, nothing
+// skipped, dense time / this time; before, in parentheses: groups of 4 rows through the runs for
+// 4096 outputs or more, tiles of dequantized runs times torch's float product for fewer):
+// 7B widths Q4_0 at 512 rows 0.93-0.99x (0.75-0.88x), at 64 rows 0.81-0.94x (0.74-0.88x), at 33
+// rows 0.78-0.92x (0.85-0.94x); Q4_K at 512 rows 0.90-0.98x, at 64 0.79-0.87x (0.62-0.76x);
+// SmolLM2's Q4_1 576 -> 3072 and 1536 -> 576 at 512 rows 0.95-0.97x and 0.85x (0.24x, 0.26x), its Q8_0
+// head 0.95-0.96x (0.56x).
 
-// Prefill (more than sparse_max_rows rows) of projections with at least this many outputs (heads, 7B
-// widths: long runs) goes through the runs in groups of rows as decoding does, not through dequantized
-// tiles (AVX2 EPYC, 2 threads, 30 % skipped, against the dense row kernels, groups / tiles: a 262k x
-// 640 Q8_0 head at 64 rows 0.57x / 0.31x; SmolLM2's 49k x 576 head at 33-256 rows 0.74-0.77x /
-// 0.22-0.44x; Q4_0 4096 -> 11008 at 64-256 rows 0.85-0.87x / 0.44-0.46x, 4096 -> 4096 at 64-512 rows
-// 0.72-0.80x / 0.41-0.56x, 640 -> 4096 at 64 and 512 rows 0.69x, 0.70x / 0.29x, 0.54x, 11008 -> 4096 at
-// 64 and 256 rows 0.60x, 0.66x / 0.42x, 0.67x; but Q4_1 576 -> 3072 at 512 rows 0.62x / 0.80x, 1536 ->
-// 576 0.29x / 0.68x: where the runs are short, the tiles' float product gains with the rows).
-constexpr int64_t GROUPED_PREFILL_OUTPUTS = 4096;
+// Prefill: tasks per thread at least this many (a narrow projection's rows go in ranges).
+constexpr int64_t MIN_PREFILL_TASKS = 8;
 
 // Blocks of 32 inputs per thread at least this many: fewer cost more in thread start than they save.
 constexpr int64_t MIN_TASK_BLOCKS = 4;
@@ -300,7 +348,7 @@ SparseInputProjection::SparseInputProjection(const std::vector<torch::Tensor>& r
 torch::Tensor SparseInputProjection::operator()(const torch::Tensor& x) const {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features(), "x must be [rows, ", in_features(), "]");
   const auto xf = x.to(torch::kFloat32).contiguous();
-  if (xf.size(0) > sparse_max_rows && out_features() < GROUPED_PREFILL_OUTPUTS) return all_channels(xf);
+  if (xf.size(0) > sparse_max_rows) return dense_prefill(xf);
   auto y = torch::empty({xf.size(0), out_features()}, xf.options());
   GroupRead read{0, 0};
   for (int64_t r = 0; r < xf.size(0); r += MAX_GROUP_ROWS) {
@@ -462,27 +510,67 @@ SparseInputProjection::GroupRead SparseInputProjection::sparse_group(const float
   return {std::accumulate(above.begin(), above.end(), int64_t{0}), std::accumulate(bytes.begin(), bytes.end(), int64_t{0})};
 }
 
-torch::Tensor SparseInputProjection::all_channels(const torch::Tensor& x_all) const {
-  // the rows' own selections, as zeros: a row's result does not depend on the size of its call
-  const auto active = x_all.abs() > thresholds;
-  selected_.store(active.sum().item<int64_t>(), std::memory_order_relaxed);
+torch::Tensor SparseInputProjection::dense_prefill(const torch::Tensor& x_all) const {
+  const int64_t M = x_all.size(0), K = in_features(), out = out_features();
+  // each row's own selection, its skipped channels as zeros (NaN or not)
+  auto x = torch::empty_like(x_all);
+  std::atomic<int64_t> selected{0};
+  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+    const float* th = thresholds.data_ptr<float>();
+    int64_t count = 0;
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* src = x_all.data_ptr<float>() + r * K;
+      float* dst = x.data_ptr<float>() + r * K;
+      for (int64_t i = 0; i < K; ++i) {
+        const bool active = std::fabs(src[i]) > th[i];
+        dst[i] = active ? src[i] : 0.0f;
+        count += active;
+      }
+    }
+    selected += count;
+  });
+  selected_.store(selected.load(), std::memory_order_relaxed);
   bytes_read_.store(run_bytes(parts), std::memory_order_relaxed);
-  const auto x = x_all * active;
-  const int64_t out = out_features();
-  const int64_t tile_blocks = std::clamp<int64_t>(TILE_BYTES / (4 * QK * out), 1, blocks());
-  auto y = torch::zeros({x.size(0), out}, x.options());
-  auto tile = torch::empty({tile_blocks * QK, out}, x.options());
+  const Isa isa = active_isa();
+  const PreparedInput input = prepare_input(x.data_ptr<float>(), M, K, isa);
+  const OutputBlockKernel kernel = output_block_kernel(isa);
+  const RunRepacker repack = run_kernels().repack;
+  // Tasks: a part's 64 outputs (one repack) and a range of rows. Few outputs (a narrow projection) get
+  // ranges of rows, so that every thread has work; a thread's tasks are consecutive, so it repacks each
+  // group once.
+  constexpr int64_t GROUP = 4 * COLS;
+  std::vector<int64_t> first_group;
+  int64_t groups = 0;
+  for (const RunPart& part : parts) first_group.push_back(groups), groups += (part.layout.out_features + GROUP - 1) / GROUP;
+  const int64_t row_blocks = (M + TASK_ROWS - 1) / TASK_ROWS;
+  const int64_t ranges = std::clamp<int64_t>(MIN_PREFILL_TASKS * at::get_num_threads() / groups, 1, row_blocks);
+  const int64_t range_rows = (row_blocks + ranges - 1) / ranges * TASK_ROWS;
+  auto y = torch::empty({M, out}, x.options());
   const uint8_t* base = runs.data_ptr<uint8_t>();
-  const BlockDequantizer dequantize_block = run_kernels().dequantize;
-  for (int64_t b0 = 0; b0 < blocks(); b0 += tile_blocks) {
-    const int64_t n = std::min(tile_blocks, blocks() - b0);
-    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b)
-        for (const RunPart& part : parts)
-          dequantize_block(part.layout, base + part.offset, b0 + b, 0, tile.data_ptr<float>() + b * QK * out + part.first, out);
-    });
-    y.addmm_(x.narrow(1, b0 * QK, n * QK), tile.narrow(0, 0, n * QK));
-  }
+  at::parallel_for(0, groups * ranges, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> chunks;
+    int64_t repacked = -1;  // the group in `chunks`
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t group = t / ranges, m_begin = t % ranges * range_rows, m_end = std::min(M, m_begin + range_rows);
+      const size_t p = std::upper_bound(first_group.begin(), first_group.end(), group) - first_group.begin() - 1;
+      const RunPart& part = parts[p];
+      const RunLayout& l = part.layout;
+      const int64_t g = (group - first_group[p]) * GROUP;
+      const BlockFormat& f = block_format(static_cast<int64_t>(packed_type(l.form)));
+      const PackedMatrix w{&f, packed_layout(f), nullptr, std::min(GROUP, l.out_features - g), part.first + g};
+      if (group != repacked) {
+        chunks.resize(GROUP / COLS * (K / f.n) * w.layout.bytes);
+        repack(l, base + part.offset, g, chunks.data());
+        repacked = group;
+      }
+      PackedMatrix here = w;
+      here.chunks = chunks.data();
+      for (int64_t nb = 0; nb * COLS < w.rows; ++nb)  // as QuantProjection: an output block's chunks meet every row in cache
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += TASK_ROWS)
+          kernel(here, nb, input, m0, static_cast<int>(std::min(TASK_ROWS, m_end - m0)), y.data_ptr<float>() + m0 * out + w.column + nb * COLS,
+                 out, static_cast<int>(std::min(COLS, w.rows - nb * COLS)));
+    }
+  });
   return y;
 }
 

@@ -44,10 +44,11 @@
 // Rows go in groups of up to MAX_GROUP_ROWS: each run of the union of the group's selections is read
 // once, each row multiplying it by its own k (0 where the row skips the channel). Threads take fixed
 // ranges of blocks, each summing its own outputs, which are then added: a row's result does not
-// depend on the other rows of its call; it may differ in the last bits with the number of threads.
-// Many rows (prefill) of a projection with few outputs: each row's skipped channels set to 0, the runs
-// dequantized to float32 a tile of blocks at a time and multiplied by torch's matrix product (the runs
-// stay the only copy); with many outputs, the groups of rows as above (GROUPED_PREFILL_OUTPUTS).
+// depend on the other rows of its call (up to sparse_max_rows rows); it may differ in the last bits
+// with the number of threads.
+// Many rows (prefill): each row's skipped channels set to 0, the runs repacked 64 outputs at a time
+// into the packed chunks of the dense row kernels (quant_matmul.h), which multiply every row (the runs
+// stay the only copy; the arithmetic, x's rounding included, is the dense kernels').
 // Plain-torch reference: powerinfer/sparse/columns.py.
 #pragma once
 
@@ -215,17 +216,21 @@ struct Selection {
 using RunKernel = void (*)(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1,
                            float* y);
 
-// The float32 weights of block b of the runs (32 channels) for outputs [o0, out_features):
-// out[c * ld + o] (the prefill path's tiles).
-using BlockDequantizer = void (*)(const RunLayout& layout, const uint8_t* runs, int64_t b, int64_t o0, float* out, int64_t ld);
+// The GGML type whose packed chunks (quant_matmul.h) hold a form's runs: the form's own type (the Q4
+// form: Q4_0 with d = D sc rounded to float16; Q4_MIN: Q4_1).
+GgmlType packed_type(RunForm form);
+// Outputs [g, g + 64) of a part's runs (g a multiple of 64) as packed chunks of packed_type(form), per
+// output block of 16 its chunks of every block of the inputs, [4][in / n][bytes] (prefill's dense
+// kernels read them).
+using RunRepacker = void (*)(const RunLayout& layout, const uint8_t* runs, int64_t g, uint8_t* chunks);
 
 namespace scalar {
 void add_runs(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y);
-void dequantize_block(const RunLayout& layout, const uint8_t* runs, int64_t b, int64_t o0, float* out, int64_t ld);
+void repack_runs(const RunLayout& layout, const uint8_t* runs, int64_t g, uint8_t* chunks);
 }
 namespace avx2 {
 void add_runs(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y);
-void dequantize_block(const RunLayout& layout, const uint8_t* runs, int64_t b, int64_t o0, float* out, int64_t ld);
+void repack_runs(const RunLayout& layout, const uint8_t* runs, int64_t g, uint8_t* chunks);
 }
 namespace avx512 {
 void add_runs(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y);
@@ -253,7 +258,7 @@ struct SparseInputProjection : Projection {
   // (row, channel) pairs the last call selected.
   int64_t last_selected() const { return selected_.load(std::memory_order_relaxed); }
   // Bytes of the runs the last call read: per active block its scales (and table entries) and its
-  // active channels' runs; all of them where it read every channel (prefill's tiles).
+  // active channels' runs; all of them where it read every channel (prefill).
   int64_t last_bytes_read() const { return bytes_read_.load(std::memory_order_relaxed); }
 
  private:
@@ -270,7 +275,8 @@ struct SparseInputProjection : Projection {
   Selection select(const float* x, int rows, int64_t b0, int64_t b1) const;
   // rows (at most MAX_GROUP_ROWS) of x into y
   GroupRead sparse_group(const float* x, int rows, float* y) const;
-  torch::Tensor all_channels(const torch::Tensor& x) const;
+  // many rows (prefill): every channel, through the dense kernels
+  torch::Tensor dense_prefill(const torch::Tensor& x) const;
 };
 
 }  // namespace powerinfer

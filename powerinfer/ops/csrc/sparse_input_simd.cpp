@@ -19,11 +19,14 @@
 // 262k-output head.
 #include "sparse_input.h"
 
+#include "quant_matmul.h"
+
 #ifdef POWERINFER_X86
 #include <immintrin.h>
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <vector>
 
 #include "avx2_lanes.h"
@@ -540,69 +543,177 @@ void add_q8_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
   }
 }
 
-// Writes w = d q + m for 8 consecutive outputs from 8 integers (int32 lanes).
-inline void store_values(float* out, __m256i q, __m256 d, __m256 m) {
-  _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
+// The low nibbles of a step (4 channels: their values at the nibbles' low places lo[c] and high places
+// hi[c], bytes) of 64 outputs into the step's 32 bytes of each output block's chunk, at[0..3]
+// (quant_matmul.h's 4-bit step: output o's pair t at byte 2 slot(o) + t, channel 2t + i in nibble i).
+// A run's even bytes hold outputs j, its odd ones 16 + j at the low places (32 + j, 48 + j at the high
+// ones: q4_slot); the pairs' bytes joined as 16-bit words, even and odd apart, are the output blocks'
+// words in output order, and slot order swaps their middle quarters.
+inline void put_low_step(const __m256i lo[4], const __m256i hi[4], uint8_t* const at[4]) {
+  const __m256i low = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(static_cast<char>(0xF0));
+  const __m256i even = _mm256_set1_epi16(0x00FF), odd = _mm256_set1_epi16(static_cast<int16_t>(0xFF00));
+  for (int h = 0; h < 2; ++h) {
+    const __m256i* v = h ? hi : lo;
+    const __m256i p0 = _mm256_or_si256(_mm256_and_si256(v[0], low), _mm256_and_si256(_mm256_slli_epi16(v[1], 4), high));
+    const __m256i p1 = _mm256_or_si256(_mm256_and_si256(v[2], low), _mm256_and_si256(_mm256_slli_epi16(v[3], 4), high));
+    const __m256i e = _mm256_or_si256(_mm256_and_si256(p0, even), _mm256_slli_epi16(p1, 8));
+    const __m256i o = _mm256_or_si256(_mm256_srli_epi16(p0, 8), _mm256_and_si256(p1, odd));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(at[2 * h]), _mm256_permute4x64_epi64(e, SLOT_QUARTERS));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(at[2 * h + 1]), _mm256_permute4x64_epi64(o, SLOT_QUARTERS));
+  }
+}
+
+// Q6: the top two bits of a group of four steps (16 channels' values, as put_low_step's) into the
+// group's two planes of each output block's chunk (at[nb], plane t at + 32: byte 2 slot(o) + i holds
+// channel 4u + 2t + i's bits at 2u).
+inline void put_high_group(const __m256i lo[16], const __m256i hi[16], uint8_t* const at[4]) {
+  const __m256i three = _mm256_set1_epi8(3);
+  const __m256i even = _mm256_set1_epi16(0x00FF), odd = _mm256_set1_epi16(static_cast<int16_t>(0xFF00));
+  for (int h = 0; h < 2; ++h) {
+    const __m256i* v = h ? hi : lo;
+    for (int t = 0; t < 2; ++t) {
+      __m256i pair[2];
+      for (int i = 0; i < 2; ++i) {
+        pair[i] = _mm256_setzero_si256();
+        for (int u = 0; u < 4; ++u)
+          pair[i] = _mm256_or_si256(pair[i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(v[4 * u + 2 * t + i], 4), three), 2 * u));
+      }
+      const __m256i e = _mm256_or_si256(_mm256_and_si256(pair[0], even), _mm256_slli_epi16(pair[1], 8));
+      const __m256i o = _mm256_or_si256(_mm256_srli_epi16(pair[0], 8), _mm256_and_si256(pair[1], odd));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(at[2 * h] + 2 * COLS * t), _mm256_permute4x64_epi64(e, SLOT_QUARTERS));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(at[2 * h + 1] + 2 * COLS * t), _mm256_permute4x64_epi64(o, SLOT_QUARTERS));
+    }
+  }
+}
+
+// Q8: a pair of channels' bytes (runs a, b: each 16 outputs' 16 bytes, output j at byte 2j, 8 + j at
+// 2j + 1: q8_slot) of 64 outputs into the pair's 32 bytes of each output block's chunk (output o's two
+// at 2o, 2o + 1).
+inline void put_q8_pair(const uint8_t* a, const uint8_t* b, uint8_t* const at[4]) {
+  const __m256i even = _mm256_set1_epi16(0x00FF), odd = _mm256_set1_epi16(static_cast<int16_t>(0xFF00));
+  for (int w = 0; w < 2; ++w) {
+    const __m256i ra = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * w));
+    const __m256i rb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * w));
+    const __m256i e = _mm256_or_si256(_mm256_and_si256(ra, even), _mm256_slli_epi16(rb, 8));  // outputs j
+    const __m256i o = _mm256_or_si256(_mm256_srli_epi16(ra, 8), _mm256_and_si256(rb, odd));   // outputs 8 + j
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(at[2 * w]), _mm256_permute2x128_si256(e, o, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(at[2 * w + 1]), _mm256_permute2x128_si256(e, o, 0x31));
+  }
+}
+
+// Blocks of runs that repack_runs fetches ahead.
+constexpr int64_t REPACK_AHEAD = 4;
+
+// The 64 outputs' bytes of a block's byte scales (q4_scale_slot order) in output order: outputs
+// 16v + t (v = 2 half + p) lie in vector u = 2 half + (t / 4) % 2 of 16 bytes, at byte 2j + p
+// (j = t % 4 + 4 (t / 8)), so each 16 outputs are two shuffles of two vectors.
+inline void scale_bytes_in_order(const uint8_t* bytes, uint8_t in_order[64]) {
+  alignas(16) static constexpr auto masks = [] {  // [p][of vector u even, odd][t]
+    std::array<std::array<std::array<uint8_t, 16>, 2>, 2> m{};
+    for (int p = 0; p < 2; ++p)
+      for (int t = 0; t < 16; ++t)
+        for (int odd = 0; odd < 2; ++odd)
+          m[p][odd][t] = (t / 4) % 2 == odd ? static_cast<uint8_t>(2 * (t % 4 + 4 * (t / 8)) + p) : 0x80;
+    return m;
+  }();
+  for (int v = 0; v < 4; ++v) {
+    const int half = v / 2, p = v % 2;
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 32 * half));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 32 * half + 16));
+    const __m128i even = _mm_load_si128(reinterpret_cast<const __m128i*>(masks[p][0].data()));
+    const __m128i odd = _mm_load_si128(reinterpret_cast<const __m128i*>(masks[p][1].data()));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(in_order + 16 * v), _mm_or_si128(_mm_shuffle_epi8(a, even), _mm_shuffle_epi8(b, odd)));
+  }
+}
+
+// The scales of run block b for outputs [g, g + 64) into the four output blocks' chunks at chunk[nb]
+// (of b's file block).
+void put_scales(const RunLayout& l, const PackedLayout& p, const uint8_t* runs, int64_t b, int64_t g, uint8_t* const chunk[4]) {
+  const uint8_t* block = runs + b * l.block_bytes();
+  const uint8_t* table = table_of(l, runs, b);
+  const int64_t sub = b % RunLayout::BLOCKS_PER_SUPER;  // K-quants: the sub-block of the file block
+  alignas(16) uint8_t in_order[64];
+  for (int64_t nb = 0; nb < 4; ++nb) {
+    const int64_t o = g + nb * COLS;
+    switch (l.form) {
+      case RunForm::Q4_MIN:
+        std::memcpy(chunk[nb] + p.dmin, block + l.m_at(o), 2 * COLS);
+        [[fallthrough]];
+      case RunForm::Q8: std::memcpy(chunk[nb] + p.d, block + l.d_at(o), 2 * COLS); break;
+      case RunForm::Q4_K:
+        std::memcpy(chunk[nb] + p.dmin, table + l.table_m_at(o), 2 * COLS);
+        [[fallthrough]];
+      case RunForm::Q6: std::memcpy(chunk[nb] + p.d, table + l.table_d_at(o), 2 * COLS); break;
+      case RunForm::Q4: break;
+    }
+  }
+  if (l.form == RunForm::Q4) {  // d = D sc in float16
+    scale_bytes_in_order(block + l.d_at(g), in_order);
+    for (int r = 0; r < 8; ++r) {
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in_order + 8 * r))));
+      const __m256 d = _mm256_mul_ps(halves(table + l.table_d_at(g + 8 * r)), sc);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk[r / 2] + p.d + 16 * (r % 2)), _mm256_cvtps_ph(d, _MM_FROUND_TO_NEAREST_INT));
+    }
+  }
+  for (int64_t h = 0; l.byte_scales() && l.form != RunForm::Q4 && h < l.sub_blocks(); ++h) {  // the file's own bytes
+    scale_bytes_in_order(block + l.d_at(g, h), in_order);
+    for (int64_t nb = 0; nb < 4; ++nb) std::memcpy(chunk[nb] + p.sc + (sub * l.sub_blocks() + h) * COLS, in_order + nb * COLS, COLS);
+  }
+  if (l.form == RunForm::Q4_K) {
+    scale_bytes_in_order(block + l.m_at(g), in_order);
+    for (int64_t nb = 0; nb < 4; ++nb) std::memcpy(chunk[nb] + p.mn + sub * COLS, in_order + nb * COLS, COLS);
+  }
 }
 
 }  // namespace
 
-void dequantize_block(const RunLayout& l, const uint8_t* runs, int64_t b, int64_t o0, float* out, int64_t ld) {
-  const uint8_t* block = runs + b * l.block_bytes();
-  const uint8_t* table = table_of(l, runs, b);
-  // whole steps of 64 outputs below out_features here, the rest by the scalar path
-  const int64_t whole = l.out_features / 64 * 64;
-  // each 128-bit lane's bytes reordered: the even ones, then the odd ones (q4_slot, q8_slot)
-  const __m256i evens_then_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                                   0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  const __m256 offset = _mm256_set1_ps(-static_cast<float>(l.q_offset()));
-  for (int64_t g = o0; g < whole; g += 64) {
-    __m256 d[2][8], m[2][8];  // per sub-block (Q6: per 16 channels)
-    // the byte scales of the 64 outputs (per sub-block; then Q4_K's minimums) in output order
-    alignas(8) uint8_t in_order[3][64];
-    const bool bytes = l.byte_scales();
-    if (bytes)
-      for (int64_t o = 0; o < 64; ++o) {
-        for (int64_t sub = 0; sub < l.sub_blocks(); ++sub) in_order[sub][o] = block[l.d_at(g + o, sub)];
-        if (l.has_min()) in_order[2][o] = block[l.m_at(g + o)];
+void repack_runs(const RunLayout& l, const uint8_t* runs, int64_t g, uint8_t* chunks) {
+  const BlockFormat& f = block_format(static_cast<int64_t>(packed_type(l.form)));
+  const PackedLayout p = packed_layout(f);
+  const int64_t per_row = l.in_features / f.n, per_file_block = f.n / QK;
+  // where the 64 outputs lie in a run (Q6: its nibbles; its top bits lie in the same cache line or the next)
+  const int64_t in_run = l.form == RunForm::Q8 ? g : l.form == RunForm::Q6 ? q6_nibbles_at(g) : g / 2;
+  for (int64_t b = 0; b < l.blocks(); ++b) {
+    const uint8_t* block = runs + b * l.block_bytes();
+    if (b + REPACK_AHEAD < l.blocks()) {  // a strided read: fetched ahead, as no prefetcher follows it
+      const uint8_t* ahead = block + REPACK_AHEAD * l.block_bytes();
+      for (int64_t c = 0; c < QK; ++c) _mm_prefetch(reinterpret_cast<const char*>(ahead + l.run_at(c) + in_run), _MM_HINT_T0);
+      for (int64_t at = 0; at < l.scale_bytes(); at += l.padded) _mm_prefetch(reinterpret_cast<const char*>(ahead + at + g), _MM_HINT_T0);
+    }
+    uint8_t* chunk[4];  // b's file block in each output block
+    for (int64_t nb = 0; nb < 4; ++nb) chunk[nb] = chunks + (nb * per_row + b / per_file_block) * p.bytes;
+    put_scales(l, p, runs, b, g, chunk);
+    if (l.form == RunForm::Q8) {
+      for (int64_t pair = 0; pair < QK / 2; ++pair) {
+        uint8_t* at[4];
+        for (int64_t nb = 0; nb < 4; ++nb) at[nb] = chunk[nb] + p.low + pair * 2 * COLS;
+        put_q8_pair(block + l.run_at(2 * pair) + g, block + l.run_at(2 * pair + 1) + g, at);
       }
-    for (int64_t sub = 0; sub < l.sub_blocks(); ++sub)
-      for (int r = 0; r < 8; ++r) {
-        d[sub][r] = q4_scale(l, bytes ? in_order[sub] + 8 * r : block + l.d_at(g + 8 * r, sub), table + l.table_d_at(g + 8 * r));
-        m[sub][r] = l.has_min() ? q4_scale(l, bytes ? in_order[2] + 8 * r : block + l.m_at(g + 8 * r), table + l.table_m_at(g + 8 * r))
-                                : _mm256_mul_ps(offset, d[sub][r]);
+      continue;
+    }
+    const int64_t first_step = b % per_file_block * (QK / STEP);  // of b's 8 steps within its file block
+    for (int64_t q = 0; q < QK; q += 16) {  // four steps: a group of Q6's top bits
+      __m256i lo[16], hi[16];
+      for (int64_t c = 0; c < 16; ++c) {
+        const uint8_t* run = block + l.run_at(q + c);
+        if (l.form == RunForm::Q6)
+          split_six_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + q6_nibbles_at(g))), run + q6_top_at(g), lo[c], hi[c]);
+        else
+          split_nibbles(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + g / 2)), lo[c], hi[c]);
       }
-    for (int64_t c = 0; c < QK; ++c) {
-      float* row = out + c * ld + g;
-      const uint8_t* run = block + l.run_at(c);
-      const int64_t sub = l.sub_block(c);
-      alignas(32) uint8_t q[64];  // the 64 outputs' integers in output order (Q8: two's complement)
-      if (l.form == RunForm::Q8) {
-        for (int h = 0; h < 2; ++h) {  // 32 bytes: outputs 32h..32h+31, per 16: evens (j), odds (8 + j)
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + g + 32 * h));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * h), _mm256_shuffle_epi8(v, evens_then_odds));
-        }
-        for (int r = 0; r < 8; ++r)
-          store_values(row + 8 * r, _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * r))), d[0][r], m[0][r]);
-        continue;
+      const int64_t step = first_step + q / STEP;
+      for (int u = 0; u < 4; ++u) {
+        uint8_t* at[4];
+        for (int64_t nb = 0; nb < 4; ++nb) at[nb] = chunk[nb] + p.low + (step + u) * 2 * COLS;
+        put_low_step(lo + 4 * u, hi + 4 * u, at);
       }
-      const uint8_t* nibbles_at = l.form == RunForm::Q6 ? run + q6_nibbles_at(g) : run + g / 2;
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles_at));
-      __m256i values[2];  // at the nibbles' low places, then their high places
-      if (l.form == RunForm::Q6)
-        split_six_bits(v, run + q6_top_at(g), values[0], values[1]);
-      else
-        split_nibbles(v, values[0], values[1]);
-      // low nibbles: even bytes outputs 0..15, odd 16..31; high nibbles: 32.. and 48.. (q4_slot)
-      for (int h = 0; h < 2; ++h) {
-        const __m256i lanes = _mm256_shuffle_epi8(values[h], evens_then_odds);  // [e0-7 o0-7 | e8-15 o8-15]
-        _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * h), _mm256_permute4x64_epi64(lanes, 0xD8));  // e0-15 o0-15
+      if (l.form == RunForm::Q6) {
+        uint8_t* at[4];
+        for (int64_t nb = 0; nb < 4; ++nb) at[nb] = chunk[nb] + high_plane(p, step, 0);
+        put_high_group(lo, hi, at);
       }
-      for (int r = 0; r < 8; ++r)
-        store_values(row + 8 * r, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * r))), d[sub][r], m[sub][r]);
     }
   }
-  scalar::dequantize_block(l, runs, b, std::max(o0, whole), out, ld);
 }
 
 namespace {
