@@ -37,7 +37,15 @@ from powerinfer.ops import native
 from powerinfer.ops.quant import T, random_blocks
 from powerinfer.sparse.sparsify import Target, sparsify
 
-from common import LLAMA_CPP_BUILDS, bytes_per_token, decode_rate, machine_description, memory_read_rate, prefill_rate, wikitext
+from common import (
+    LLAMA_CPP_BUILDS,
+    bytes_per_token,
+    decode_rate,
+    machine_description,
+    memory_read_rate,
+    prefill_rate,
+    wikitext,
+)
 
 N_EMBD, N_FF, N_HEAD, N_LAYERS = 4096, 11008, 32, 8
 RESULTS = Path(__file__).parent / "results"
