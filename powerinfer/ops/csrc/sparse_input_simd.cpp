@@ -259,10 +259,10 @@ struct SuperBlockSums {
 };
 
 // What one block adds to a row's super-block sums: its int16 sums (Q6: a sub-block's two sets), its
-// scale bytes and (Q4_K) its minimums' bytes, the row's scale and (Q4_K) its k sum in the block.
+// scale bytes, the row's scale and (Q4_K) its k sum in the block.
 struct BlockTerms {
   const int16_t *sums, *second;
-  const uint8_t *scales, *mins;
+  const uint8_t* scales;
   float scale;
   int32_t k_sum;
 };
@@ -281,11 +281,11 @@ inline void add_scaled_floats(float* into, __m256i v, __m256 scale, bool first) 
 // A block's terms for n outputs (slot order, per 64 four vectors of 16 sums; its bytes the same order:
 // q4_scale_slot) into a row's super-block sums (on its first block, in place of them): per 64 outputs
 // and vector u, 8 floats of the even lanes, 8 of the odd. The integers: sc times the sums (Q4_K: times
-// the sums + 8 k_sum, the sums being centred on 8), and Q4_K's mn times k_sum (at most 63 * 60960).
+// the sums + 8 k_sum, the sums being centred on 8). Q4_K's minimums: add_minimums.
 template <RunForm F>
-inline void add_to_super_block(const BlockTerms& t, int64_t n, bool first, float* into, float* min_into) {
+inline void add_to_super_block(const BlockTerms& t, int64_t n, bool first, float* into) {
   const __m256 row_scale = _mm256_set1_ps(t.scale);
-  const __m256i k_sum = _mm256_set1_epi16(static_cast<int16_t>(t.k_sum)), eight_k_sum = _mm256_slli_epi16(k_sum, 3);
+  const __m256i eight_k_sum = _mm256_set1_epi16(static_cast<int16_t>(8 * t.k_sum));
   for (int64_t g = 0; g < n; g += 64)
     for (int u = 0; u < 4; ++u) {
       const int64_t at = g + 16 * u;
@@ -300,13 +300,32 @@ inline void add_to_super_block(const BlockTerms& t, int64_t n, bool first, float
       if constexpr (F == RunForm::Q4_K) {
         even = _mm256_add_epi32(even, _mm256_madd_epi16(even_lanes(sc), eight_k_sum));
         odd = _mm256_add_epi32(odd, _mm256_madd_epi16(odd_lanes(sc), eight_k_sum));
-        const __m256i mn = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.mins + at)));
-        add_scaled_floats(min_into + at, _mm256_madd_epi16(even_lanes(mn), k_sum), row_scale, first);
-        add_scaled_floats(min_into + at + 8, _mm256_madd_epi16(odd_lanes(mn), k_sum), row_scale, first);
       }
       add_scaled_floats(into + at, even, row_scale, first);
       add_scaled_floats(into + at + 8, odd, row_scale, first);
     }
+}
+
+// Q4_K's minimums of a block (n outputs from the bytes at `mins`) into R rows' minimum sums (rows
+// `stride` apart; in place of them where `first`), in add_to_super_block's order: per 16 outputs 8
+// floats of the even lanes, 8 of the odd. The bytes become floats once for all rows, each row adding
+// them times its scale times its k sum in the block (its rounded x's sum).
+template <int R>
+inline void add_minimums(const uint8_t* mins, const float* scale, const int32_t* k_sum, int64_t n, bool first,
+                         float* min_sums, int64_t stride) {
+  __m256 x_sum[R];
+  for (int r = 0; r < R; ++r) x_sum[r] = _mm256_set1_ps(scale[r] * static_cast<float>(k_sum[r]));
+  for (int64_t at = 0; at < n; at += 16) {
+    const __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + at)));
+    const __m256 lanes[2] = {_mm256_cvtepi32_ps(even_lanes(mn)), _mm256_cvtepi32_ps(_mm256_srli_epi32(mn, 16))};
+    for (int r = 0; r < R; ++r) {
+      if (!first && scale[r] == 0.0f) continue;  // nothing of this row in the block
+      for (int h = 0; h < 2; ++h) {
+        float* into = min_sums + r * stride + at + 8 * h;
+        _mm256_storeu_ps(into, first ? _mm256_mul_ps(lanes[h], x_sum[r]) : _mm256_fmadd_ps(lanes[h], x_sum[r], _mm256_loadu_ps(into)));
+      }
+    }
+  }
 }
 
 // 8 floats' worth of one of a super-block's sums, per 32 outputs: the even and the odd lanes of its
@@ -338,16 +357,16 @@ inline void add_super_block(const RunLayout& l, const uint8_t* table, int64_t c0
 
 // The forms with byte scales, a piece's R rows: each row's block terms (sub-block `sub`'s scales; Q6
 // passes its second set of sums) into its super-block's sums (in place of them where `fresh`), and
-// after the super-block's last block those sums into y. ADD and FLUSH: an instruction set's
-// add_to_super_block and add_super_block for the form.
-template <RunForm F, int R, auto ADD>
+// after the super-block's last block those sums into y. ADD, MINIMUMS and FLUSH: an instruction set's
+// add_to_super_block, add_minimums (Q4_K) and add_super_block for the form.
+template <RunForm F, int R, auto ADD, auto MINIMUMS = nullptr>
 void rows_into_super_block(const RunLayout& l, const BlockPiece& p, int64_t c0, int64_t chunk, const int16_t* acc,
                            const int16_t* second, int64_t sub, bool fresh, const SuperBlockSums& super) {
   for (int r = 0; r < R; ++r)
     if (fresh || p.scale[r] != 0.0f)  // 0: nothing of this row in the block
-      ADD({acc + r * chunk, second ? second + r * chunk : nullptr, p.block + l.d_at(c0, sub),
-           F == RunForm::Q4_K ? p.block + l.m_at(c0) : nullptr, p.scale[r], p.k_sum[r]},
-          p.n, fresh, super.sums + r * l.padded + c0, super.min_sums ? super.min_sums + r * l.padded + c0 : nullptr);
+      ADD({acc + r * chunk, second ? second + r * chunk : nullptr, p.block + l.d_at(c0, sub), p.scale[r], p.k_sum[r]}, p.n,
+          fresh, super.sums + r * l.padded + c0);
+  if constexpr (F == RunForm::Q4_K) MINIMUMS(p.block + l.m_at(c0), p.scale, p.k_sum, p.n, fresh, super.min_sums + c0, l.padded);
 }
 
 template <int R, auto FLUSH>
@@ -397,7 +416,7 @@ void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
         add_q4_min_outputs(l, block, c0 + g, acc + r * chunk + g, acc + r * chunk + g + 16, scale[r], k_sum[r], y + r * l.padded);
     }
   } else {
-    rows_into_super_block<F, R, add_to_super_block<F>>(l, piece, c0, chunk, acc, nullptr, 0, super.first, super);
+    rows_into_super_block<F, R, add_to_super_block<F>, add_minimums<R>>(l, piece, c0, chunk, acc, nullptr, 0, super.first, super);
     if (super.last) rows_from_super_block<R, add_super_block<F>>(l, piece, c0, super, y);
   }
 }
@@ -898,10 +917,10 @@ inline __m512i vector_bytes(const uint8_t* p) {
 // As avx2::add_to_super_block, 128 outputs a step: vector v of the sums holds the AVX2 kernel's vector v
 // of the first 64 outputs and of the next 64, so its bytes are those two vectors' 16 each.
 template <RunForm F>
-inline void add_to_super_block(const avx2::BlockTerms& t, int64_t n, bool first, float* into, float* min_into) {
+inline void add_to_super_block(const avx2::BlockTerms& t, int64_t n, bool first, float* into) {
   const __m512i even_lanes = _mm512_set1_epi32(0xFFFF), odd_lanes = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   const __m512 row_scale = _mm512_set1_ps(t.scale);
-  const __m512i k_sum = _mm512_set1_epi16(static_cast<int16_t>(t.k_sum)), eight_k_sum = _mm512_slli_epi16(k_sum, 3);
+  const __m512i eight_k_sum = _mm512_set1_epi16(static_cast<int16_t>(8 * t.k_sum));
   for (int64_t g = 0; g < n; g += 128)
     for (int v = 0; v < 4; ++v) {
       const int64_t at = g + 32 * v;
@@ -917,12 +936,32 @@ inline void add_to_super_block(const avx2::BlockTerms& t, int64_t n, bool first,
       if constexpr (F == RunForm::Q4_K) {
         even = _mm512_add_epi32(even, _mm512_madd_epi16(sc_even, eight_k_sum));
         odd = _mm512_add_epi32(odd, _mm512_madd_epi16(sc_odd, eight_k_sum));
-        const __m512i mn = vector_bytes(t.mins + g + 16 * v);
-        add_scaled_floats(min_into + at, _mm512_madd_epi16(_mm512_and_si512(mn, even_lanes), k_sum), row_scale, first);
-        add_scaled_floats(min_into + at + 16, _mm512_madd_epi16(_mm512_and_si512(mn, odd_lanes), k_sum), row_scale, first);
       }
       add_scaled_floats(into + at, even, row_scale, first);
       add_scaled_floats(into + at + 16, odd, row_scale, first);
+    }
+}
+
+// As avx2::add_minimums, 128 outputs a step (add_to_super_block's order: vector v's bytes at 16 v and
+// 64 + 16 v, its even lanes' floats, then its odd lanes').
+template <int R>
+inline void add_minimums(const uint8_t* mins, const float* scale, const int32_t* k_sum, int64_t n, bool first,
+                         float* min_sums, int64_t stride) {
+  __m512 x_sum[R];
+  for (int r = 0; r < R; ++r) x_sum[r] = _mm512_set1_ps(scale[r] * static_cast<float>(k_sum[r]));
+  for (int64_t g = 0; g < n; g += 128)
+    for (int v = 0; v < 4; ++v) {
+      const int64_t at = g + 32 * v;
+      const __m512i mn = vector_bytes(mins + g + 16 * v);
+      const __m512 lanes[2] = {_mm512_cvtepi32_ps(_mm512_and_si512(mn, _mm512_set1_epi32(0xFFFF))),
+                               _mm512_cvtepi32_ps(_mm512_srli_epi32(mn, 16))};
+      for (int r = 0; r < R; ++r) {
+        if (!first && scale[r] == 0.0f) continue;  // nothing of this row in the block
+        for (int h = 0; h < 2; ++h) {
+          float* into = min_sums + r * stride + at + 16 * h;
+          _mm512_storeu_ps(into, first ? _mm512_mul_ps(lanes[h], x_sum[r]) : _mm512_fmadd_ps(lanes[h], x_sum[r], _mm512_loadu_ps(into)));
+        }
+      }
     }
 }
 
@@ -997,7 +1036,7 @@ void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
         add_q4_min_outputs(l, block, c0 + g, acc + r * chunk + g, scale[r], k_sum[r], y + r * l.padded);
     }
   } else {
-    rows_into_super_block<F, R, add_to_super_block<F>>(l, piece, c0, chunk, acc, nullptr, 0, super.first, super);
+    rows_into_super_block<F, R, add_to_super_block<F>, add_minimums<R>>(l, piece, c0, chunk, acc, nullptr, 0, super.first, super);
     if (super.last) rows_from_super_block<R, add_super_block<F>>(l, piece, c0, super, y);
   }
 }
