@@ -557,17 +557,16 @@ torch::Tensor SparseInputProjection::dense_prefill(const torch::Tensor& x_all) c
       const RunLayout& l = part.layout;
       const int64_t g = (group - first_group[p]) * GROUP;
       const BlockFormat& f = block_format(static_cast<int64_t>(packed_type(l.form)));
-      const PackedMatrix w{&f, packed_layout(f), nullptr, std::min(GROUP, l.out_features - g), part.first + g};
+      const PackedLayout layout = packed_layout(f);
       if (group != repacked) {
-        chunks.resize(GROUP / COLS * (K / f.n) * w.layout.bytes);
+        chunks.resize(GROUP / COLS * (K / f.n) * layout.bytes);
         repack(l, base + part.offset, g, chunks.data());
         repacked = group;
       }
-      PackedMatrix here = w;
-      here.chunks = chunks.data();
+      const PackedMatrix w{&f, layout, chunks.data(), std::min(GROUP, l.out_features - g), part.first + g};
       for (int64_t nb = 0; nb * COLS < w.rows; ++nb)  // as QuantProjection: an output block's chunks meet every row in cache
         for (int64_t m0 = m_begin; m0 < m_end; m0 += TASK_ROWS)
-          kernel(here, nb, input, m0, static_cast<int>(std::min(TASK_ROWS, m_end - m0)), y.data_ptr<float>() + m0 * out + w.column + nb * COLS,
+          kernel(w, nb, input, m0, static_cast<int>(std::min(TASK_ROWS, m_end - m0)), y.data_ptr<float>() + m0 * out + w.column + nb * COLS,
                  out, static_cast<int>(std::min(COLS, w.rows - nb * COLS)));
     }
   });
