@@ -6,8 +6,8 @@ The kernels round each row's active x to int8 per block of 32 inputs, on the blo
 equal the product up to float32 rounding (`float32_bound`), and up to what the runs round
 (`runs_bound`): Q4_0's scales to bytes on a step per 256 inputs, and Q4_K's scale products in float16
 where it shares a part with other 4-bit types (alone it keeps its own scales; Q8_0 and Q6_K keep
-theirs). Prefill (more
-than SPARSE_MAX_ROWS rows) does not round x."""
+theirs). Prefill (more than SPARSE_MAX_ROWS rows) goes through the dense row kernels, which round x
+their own way (`dense_kernels_x_bound`), and is checked bit for bit against them too."""
 
 from __future__ import annotations
 

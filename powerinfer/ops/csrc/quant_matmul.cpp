@@ -169,7 +169,6 @@ OutputBlockKernel output_block_kernel(Isa isa) {
   }
 }
 
-
 QuantProjection::QuantProjection(std::vector<torch::Tensor> chunks_, std::vector<int64_t> types_, std::vector<int64_t> rows_)
     : chunks(std::move(chunks_)), types(std::move(types_)), rows(std::move(rows_)), out_features(0) {
   TORCH_CHECK(!chunks.empty() && chunks.size() == types.size() && chunks.size() == rows.size(), "one type and row count per matrix");

@@ -255,8 +255,7 @@ RunKernels run_kernels() {
 // rows 0.78-0.92x (0.85-0.94x); Q4_K at 512 rows 0.90-0.98x, at 64 0.79-0.87x (0.62-0.76x);
 // SmolLM2's Q4_1 576 -> 3072 and 1536 -> 576 at 512 rows 0.95-0.97x and 0.85x (0.24x, 0.26x), its Q8_0
 // head 0.95-0.96x (0.56x).
-
-// Prefill: tasks per thread at least this many (a narrow projection's rows go in ranges).
+// Its tasks per thread at least this many (a narrow projection's rows go in ranges).
 constexpr int64_t MIN_PREFILL_TASKS = 8;
 
 // Blocks of 32 inputs per thread at least this many: fewer cost more in thread start than they save.

@@ -696,8 +696,8 @@ void repack_runs(const RunLayout& l, const uint8_t* runs, int64_t g, uint8_t* ch
     const uint8_t* block = runs + b * l.block_bytes();
     if (b + REPACK_AHEAD < l.blocks()) {  // a strided read: fetched ahead, as no prefetcher follows it
       const uint8_t* ahead = block + REPACK_AHEAD * l.block_bytes();
-      for (int64_t c = 0; c < QK; ++c) _mm_prefetch(reinterpret_cast<const char*>(ahead + l.run_at(c) + in_run), _MM_HINT_T0);
-      for (int64_t at = 0; at < l.scale_bytes(); at += l.padded) _mm_prefetch(reinterpret_cast<const char*>(ahead + at + g), _MM_HINT_T0);
+      for (int64_t c = 0; c < QK; ++c) prefetch_line<CacheLevel::L1>(ahead + l.run_at(c) + in_run);
+      fetch_scales(l, ahead, table_of(l, runs, b + REPACK_AHEAD), g, 64);
     }
     uint8_t* chunk[4];  // b's file block in each output block
     for (int64_t nb = 0; nb < 4; ++nb) chunk[nb] = chunks + (nb * per_row + b / per_file_block) * p.bytes;
@@ -706,7 +706,7 @@ void repack_runs(const RunLayout& l, const uint8_t* runs, int64_t g, uint8_t* ch
       for (int64_t pair = 0; pair < QK / 2; ++pair) {
         uint8_t* at[4];
         for (int64_t nb = 0; nb < 4; ++nb) at[nb] = chunk[nb] + p.low + pair * 2 * COLS;
-        put_q8_pair(block + l.run_at(2 * pair) + g, block + l.run_at(2 * pair + 1) + g, at);
+        put_q8_pair(block + l.run_at(2 * pair) + in_run, block + l.run_at(2 * pair + 1) + in_run, at);
       }
       continue;
     }
@@ -715,10 +715,11 @@ void repack_runs(const RunLayout& l, const uint8_t* runs, int64_t g, uint8_t* ch
       __m256i lo[16], hi[16];
       for (int64_t c = 0; c < 16; ++c) {
         const uint8_t* run = block + l.run_at(q + c);
+        const __m256i nibbles = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + in_run));
         if (l.form == RunForm::Q6)
-          split_six_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + q6_nibbles_at(g))), run + q6_top_at(g), lo[c], hi[c]);
+          split_six_bits(nibbles, run + q6_top_at(g), lo[c], hi[c]);
         else
-          split_nibbles(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + g / 2)), lo[c], hi[c]);
+          split_nibbles(nibbles, lo[c], hi[c]);
       }
       const int64_t step = first_step + q / STEP;
       for (int u = 0; u < 4; ++u) {
