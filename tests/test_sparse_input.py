@@ -367,7 +367,9 @@ def test_q4_k_keeps_its_scales(rows, each_isa):
 def test_q6_k_keeps_its_bits_and_sums_its_extremes_exactly(rows, each_isa):
     """Q6_K's runs keep its 6-bit q, int8 scales and float16 d: 26.25 bytes per 32 weights. Every
     channel active with k = 127 and every q at 63 or 0 (w = 31 or -32 steps): a 16-input sub-block's
-    k (q - 32) sums to 16 * 32 * 127, past int16 (the kernels sum eight channels per set of sums)."""
+    k (q - 32) sums to 16 * 32 * 127, past int16 (the kernels sum a sub-block's leading channels in one
+    set of sums while 32 times their |k| fits int16, the rest in another), and with each block's first
+    k at 127 and the others at 80, the first set ends after twelve channels."""
     rows_bytes = np.zeros((130, 2, 210), np.uint8)  # 130 outputs, 512 inputs: two Q6_K blocks per row
     rows_bytes[::2, :, :192] = 0xFF  # ql and qh: q = 63 in the even outputs, 0 in the odd ones
     rows_bytes[:, :, 192:208] = np.arange(1, 17, dtype=np.int8).view(np.uint8)  # sc 1..16 per 16 inputs
@@ -378,6 +380,9 @@ def test_q6_k_keeps_its_bits_and_sums_its_extremes_exactly(rows, each_isa):
     thresholds = torch.zeros(512)
     layer = column_linear([m], thresholds)
     assert layer.nbytes == 256 * 512 // 32 * 26 + 2 * 2 * 256
+    check(layer, [m], thresholds, x, x_rounding=x_rounding(rows), exact_scales=True)
+    x = torch.full((rows, 512), 80 / 127)
+    x[:, ::32] = 1.0
     check(layer, [m], thresholds, x, x_rounding=x_rounding(rows), exact_scales=True)
     m = matrix(T.Q6_K, 200, 512, seed=43)
     x = inputs(rows, 512, seed=44)

@@ -421,7 +421,9 @@ void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
   }
 }
 
-// Active channels of a Q6 sub-block per set of int16 sums (see add_q6_piece); a multiple of Q4_GROUP.
+// The AVX-512 Q6 kernel's sets of sums (avx512::add_q6_piece; the AVX2 kernel's: q6_plan, which
+// AVX-512 is to follow once measured there): at most this many active channels of a sub-block per set
+// of int16 sums, a multiple of Q4_GROUP.
 constexpr int32_t Q6_SUM_CHANNELS = 8;
 
 // One of a Q6 piece's two sub-blocks (16 channels each, each with its own scale): its active
@@ -449,37 +451,107 @@ inline int16_t q6_sums_start(const RunLayout& l, const Selection& s, int32_t a, 
   return static_cast<int16_t>(-l.q_offset() * sum);
 }
 
+// Q6 sums (see add_q6_piece): a set of int16 sums holds one sub-block's active channels [a, b).
+struct Q6Set {
+  int32_t a, b;
+  int sub;
+};
+
+// The sets of a Q6 piece's active channels [j0, j1) in the order the kernel takes them: a round per
+// set of each sub-block, the first round's set of a sub-block its longest leading run of whole groups
+// whose k every row sums exactly in int16 (32 times the sum of |k| at most 32767, as |q - 32| <= 32),
+// the second round's the rest, at most eight channels (eight |k| of at most 127 fit). At the
+// sparsities that pay, the kept x are each block's larger ones, yet a sub-block's sixteen rarely
+// reach the bound: one round, one step into the super-block's sums per block.
+struct Q6Plan {
+  std::array<Q6Set, 4> sets;
+  int count = 0, first_round = 0;  // sets in all, in the first round
+};
+
+inline Q6Plan q6_plan(const RunLayout& l, const Selection& s, int32_t j0, int32_t j1) {
+  constexpr int32_t EXACT = 32767 / 32;
+  int32_t mid = j0;
+  while (mid < j1 && l.sub_block(s.channel[mid]) == 0) ++mid;
+  const int32_t bounds[3] = {j0, mid, j1};
+  int32_t split[2];
+  for (int sub = 0; sub < 2; ++sub) {
+    const int32_t a = bounds[sub], b = bounds[sub + 1];
+    std::array<int32_t, MAX_GROUP_ROWS> total{};
+    split[sub] = b;
+    for (int32_t j = a; j < b && split[sub] == b; j += Q4_GROUP)
+      for (int r = 0; r < s.rows; ++r) {
+        for (int32_t c = j; c < std::min(j + Q4_GROUP, b); ++c) total[r] += std::abs(s.k[c * s.rows + r]);
+        if (total[r] > EXACT) split[sub] = j;
+      }
+  }
+  Q6Plan plan;
+  for (int sub = 0; sub < 2; ++sub)
+    if (bounds[sub] < split[sub]) plan.sets[plan.count++] = {bounds[sub], split[sub], sub};
+  plan.first_round = plan.count;
+  for (int sub = 0; sub < 2; ++sub)
+    if (split[sub] < bounds[sub + 1]) plan.sets[plan.count++] = {split[sub], bounds[sub + 1], sub};
+  return plan;
+}
+
+// A round of a Q6 block's sums (per row, sub-block `sub`'s at acc + (sub R + r) chunk where has[sub])
+// times their sub-blocks' scale bytes, in integers, both sub-blocks' into one int32 vector, into R
+// rows' super-block sums (`sums`: the chunk's; in place of them where `first`); the scale bytes become
+// int16 lanes once for all rows.
+template <int R>
+inline void add_q6_round(const RunLayout& l, const BlockPiece& p, int64_t c0, int64_t chunk, const int16_t* acc,
+                         const bool has[2], bool first, float* sums) {
+  __m256 row_scale[R];
+  for (int r = 0; r < R; ++r) row_scale[r] = _mm256_set1_ps(p.scale[r]);
+  for (int64_t at = 0; at < p.n; at += 16) {
+    __m256i even_sc[2], odd_sc[2];
+    for (int sub = 0; sub < 2; ++sub) {
+      const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.block + l.d_at(c0, sub) + at)));
+      even_sc[sub] = even_lanes(sc), odd_sc[sub] = odd_lanes(sc);
+    }
+    for (int r = 0; r < R; ++r) {
+      if (!first && p.scale[r] == 0.0f) continue;  // nothing of this row in the block
+      __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+      for (int sub = 0; sub < 2; ++sub) {
+        if (!has[sub]) continue;
+        const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(acc + (sub * R + r) * chunk + at));
+        even = _mm256_add_epi32(even, _mm256_madd_epi16(s, even_sc[sub]));
+        odd = _mm256_add_epi32(odd, _mm256_madd_epi16(s, odd_sc[sub]));
+      }
+      add_scaled_floats(sums + r * l.padded + at, even, row_scale[r], first);
+      add_scaled_floats(sums + r * l.padded + at + 8, odd, row_scale[r], first);
+    }
+  }
+}
+
 // Q6 runs, R rows, outputs [c0, c0 + chunk) of block i, as the 4-bit kernel: each channel's nibbles
 // and top two bits (each 64 outputs' 16 bytes broadcast to both lanes, shifted and masked to line up
 // byte by byte with the nibbles: q6_slots) joined into its 6-bit q, which meets the rows' k pairs in
-// `maddubs` (a pair's products at most 2 * 63 * 127: no saturation). One sub-block (16 channels, its
-// own scale) after the other, its first eight active channels into one set of int16 sums and the rest
-// into another, each from -32 times its channels' k sum: k (q - 32) of eight channels, at most
-// 8 * 32 * 127, is exact in int16 (sixteen would not be). (Summing the nibbles and the top bits apart
-// took two multiply-adds per row: four rows ran at 0.70x the dense rows against 0.79-0.95x with
-// Q6_K re-quantized to Q8 runs.) acc: per row the chunk's first sums, then per row its second.
+// `maddubs` (a pair's products at most 2 * 63 * 127: no saturation). Each sub-block's channels into
+// their own int16 sums (acc: per row sub-block 0's, then per row sub-block 1's), from -32 times the
+// channels' k sum, so that they end at the sum of k (q - 32), exact while q6_plan's bound holds; after
+// a round (q6_plan) both sub-blocks' sums meet their scale bytes in one step into the super-block's
+// sums. (Summing the nibbles and the top bits apart took two multiply-adds per row: four rows ran at
+// 0.70x the dense rows against 0.79-0.95x with Q6_K re-quantized to Q8 runs. Sets of at most eight
+// channels, each sub-block stepping into the super-block's sums apart: four rows at 0.52-0.55x the
+// dense rows on an AVX2-only AMD EPYC, 7B widths, 0-70 % skipped.)
 template <int R>
 void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc, const SuperBlockSums& super) {
   const RunLayout l = with_form<RunForm::Q6>(layout);
   const BlockPiece piece = piece_of<R>(l, runs, s, i, c0, chunk);
   const auto [block, table, j0, j1, scale, k_sum, n] = piece;
-  int16_t* const second_acc = acc + R * chunk;
-  const auto sub_blocks = q6_sub_blocks(l, block, s, j0, j1, c0, n, after);
-  bool fresh = super.first;  // the super-block's sums not yet written by this block
-  for (int64_t sub = 0; sub < 2; ++sub) {
-    const auto& [a, split, b, then] = sub_blocks[sub];
-    if (a == b) continue;
+  const Q6Plan plan = q6_plan(l, s, j0, j1);
+  bool has[2] = {false, false};  // the sub-blocks with sums in this round
+  for (int e = 0; e < plan.count; ++e) {
+    const auto [a, b, sub] = plan.sets[e];
+    int16_t* const sums = acc + sub * R * chunk;
+    const GroupRuns<Q4_GROUP> then =
+        e + 1 < plan.count ? GroupRuns<Q4_GROUP>(l, block, s, plan.sets[e + 1].a, plan.sets[e + 1].b, c0, n) : after;
     for (int r = 0; r < R; ++r) {
-      const __m256i first = _mm256_set1_epi16(q6_sums_start(l, s, a, split, r));
-      const __m256i second = _mm256_set1_epi16(q6_sums_start(l, s, split, b, r));
-      for (int64_t o = 0; o < n; o += 16) {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(acc + r * chunk + o), first);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(second_acc + r * chunk + o), second);
-      }
+      const __m256i start = _mm256_set1_epi16(q6_sums_start(l, s, a, b, r));
+      for (int64_t o = 0; o < n; o += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(sums + r * chunk + o), start);
     }
     for (int32_t j = a; j < b; j += Q4_GROUP) {
-      int16_t* const sums = j < split ? acc : second_acc;
       const auto [here, next] = group_and_next<Q4_GROUP>(l, block, s, j, b, c0, n, then);
       const uint8_t* const* w = here.w;
       __m256i k[Q4_GROUP / 2][R];
@@ -498,8 +570,11 @@ void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
         for (int r = 0; r < R; ++r) add_two_pairs(sums + r * chunk + g, six[0], six[1], k[0][r], k[1][r]);
       }
     }
-    rows_into_super_block<RunForm::Q6, R, add_to_super_block<RunForm::Q6>>(l, piece, c0, chunk, acc, second_acc, sub, fresh, super);
-    fresh = false;
+    has[sub] = true;
+    if (e + 1 == plan.first_round || e + 1 == plan.count) {
+      add_q6_round<R>(l, piece, c0, chunk, acc, has, super.first && e < plan.first_round, super.sums + c0);
+      has[0] = has[1] = false;
+    }
   }
   if (super.last) rows_from_super_block<R, add_super_block<RunForm::Q6>>(l, piece, c0, super, y);
 }
