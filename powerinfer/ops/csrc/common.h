@@ -76,7 +76,8 @@ enum class CacheLevel { L1, L2 };
 // L1 (prefetcht0) for kernels that fetch one line ahead per line they consume (no burst), a few
 // hundred cycles before its use (SparseInputProjection's groups of runs: measured against L2 on an
 // AMD EPYC, 2 threads, 50 % skipped, AVX2 runs of an 11008 -> 4096 Q4_0 linear 0.79x -> 0.97x the
-// dense kernel's speed, AVX-512 0.99x -> 1.12x; none slower).
+// dense kernel's speed, AVX-512 0.99x -> 1.12x; none slower), where L1 holds 48 KB: with 32 KB
+// they go to L2 (sparse_input_simd.cpp's FETCH_TO_L1).
 template <CacheLevel LEVEL = CacheLevel::L2>
 inline void prefetch_line(const uint8_t* p) {
   // An asm statement on x86, not __builtin_prefetch: GCC takes a function whose only effect is a

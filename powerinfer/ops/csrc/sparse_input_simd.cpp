@@ -24,12 +24,30 @@
 #ifdef POWERINFER_X86
 #include <immintrin.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <cstring>
 #include <vector>
 
 #include "avx2_lanes.h"
+
+// Where a group's fetches ahead go (GroupRuns::fetch): lines fetched into L1 a group's pass ahead
+// (4-16 KB a pass) must outlive that pass there beside the 16 KB of sums, and a 32 KB L1 does not keep
+// them; the loads then find them in L2 if they were fetched there. Measured, 2 threads, a 7B block's
+// four linears from memory, 50 % skipped, L2 against L1: an AMD EPYC Zen 4 (32 KB L1, AVX2 only) one
+// row 1.15x (Q4_0), 1.11x (Q4_K), 1.13x (Q6_K), 1.22x (Q8_0), four rows of Q4_0 1.04x; on an AMD
+// EPYC Zen 5 (48 KB L1, AVX-512) L1 was the faster (common.h's prefetch_line). Unknown size: L1.
+// (Set at load time outside the AVX2 code, which a CPU without AVX2 must not run.)
+namespace powerinfer {
+namespace {
+const bool FETCH_TO_L1 = [] {
+  const long l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+  return l1 <= 0 || l1 >= 48 * 1024;
+}();
+}  // namespace
+}  // namespace powerinfer
 
 POWERINFER_TARGET_AVX2
 namespace powerinfer::avx2 {
@@ -88,14 +106,18 @@ struct GroupRuns {
       : bytes(l.run_byte(n)) {
     for (int p = 0; p < G; ++p) w[p] = block + l.run_at(s.channel[j + p < j1 ? j + p : j]) + l.run_byte(c0);
   }
-  // Fetches the pieces' line at byte `at` into the cache. A group fetches the next group's pieces (after
+  // Fetches the pieces' line at byte `at` into L1 or L2 (FETCH_TO_L1). A group fetches the next group's pieces (after
   // its last, the next piece kernel's first) at the byte it reads itself: every run of a block starts a
   // stream of its own a piece long (4-8 KB), which the hardware prefetchers learn too late (measured on
   // an AMD EPYC with AVX-512, 2 threads, one row, 50 % skipped, ratio to the dense kernel: 4096 ->
   // 12288 Q4_0 1.31x -> 1.51x, 11008 -> 4096 1.21x -> 1.53x; two groups ahead 1.44x, 1.33x).
   void fetch(int64_t at) const {
-    if (at % 64 == 0 && at < bytes)
-      for (int p = 0; p < G; ++p) prefetch_line<CacheLevel::L1>(w[p] + at);
+    if (at % 64 != 0 || at >= bytes) return;
+    for (int p = 0; p < G; ++p)
+      if (FETCH_TO_L1)
+        prefetch_line<CacheLevel::L1>(w[p] + at);
+      else
+        prefetch_line<CacheLevel::L2>(w[p] + at);
   }
   // The lines that start in bytes [from, to) (Q6 reads 96 bytes a step).
   void fetch_span(int64_t from, int64_t to) const {
