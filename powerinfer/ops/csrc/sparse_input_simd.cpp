@@ -280,8 +280,8 @@ struct SuperBlockSums {
   const uint8_t* table_to_fetch(const uint8_t* table) const { return last ? table : nullptr; }
 };
 
-// What one block adds to a row's super-block sums: its int16 sums (Q6: a sub-block's two sets), its
-// scale bytes, the row's scale and (Q4_K) its k sum in the block.
+// What one block adds to a row's super-block sums: its int16 sums (AVX-512's Q6: a sub-block's two
+// sets), its scale bytes, the row's scale and (Q4_K) its k sum in the block.
 struct BlockTerms {
   const int16_t *sums, *second;
   const uint8_t* scales;
@@ -303,7 +303,8 @@ inline void add_scaled_floats(float* into, __m256i v, __m256 scale, bool first) 
 // A block's terms for n outputs (slot order, per 64 four vectors of 16 sums; its bytes the same order:
 // q4_scale_slot) into a row's super-block sums (on its first block, in place of them): per 64 outputs
 // and vector u, 8 floats of the even lanes, 8 of the odd. The integers: sc times the sums (Q4_K: times
-// the sums + 8 k_sum, the sums being centred on 8). Q4_K's minimums: add_minimums.
+// the sums + 8 k_sum, the sums being centred on 8). Q4_K's minimums: add_minimums; Q6's sums:
+// add_q6_round.
 template <RunForm F>
 inline void add_to_super_block(const BlockTerms& t, int64_t n, bool first, float* into) {
   const __m256 row_scale = _mm256_set1_ps(t.scale);
@@ -314,11 +315,6 @@ inline void add_to_super_block(const BlockTerms& t, int64_t n, bool first, float
       const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.scales + at)));
       const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(t.sums + at));
       __m256i even = _mm256_madd_epi16(s, even_lanes(sc)), odd = _mm256_madd_epi16(s, odd_lanes(sc));
-      if constexpr (F == RunForm::Q6) {
-        const __m256i s2 = _mm256_load_si256(reinterpret_cast<const __m256i*>(t.second + at));
-        even = _mm256_add_epi32(even, _mm256_madd_epi16(s2, even_lanes(sc)));
-        odd = _mm256_add_epi32(odd, _mm256_madd_epi16(s2, odd_lanes(sc)));
-      }
       if constexpr (F == RunForm::Q4_K) {
         even = _mm256_add_epi32(even, _mm256_madd_epi16(even_lanes(sc), eight_k_sum));
         odd = _mm256_add_epi32(odd, _mm256_madd_epi16(odd_lanes(sc), eight_k_sum));
@@ -377,8 +373,8 @@ inline void add_super_block(const RunLayout& l, const uint8_t* table, int64_t c0
   }
 }
 
-// The forms with byte scales, a piece's R rows: each row's block terms (sub-block `sub`'s scales; Q6
-// passes its second set of sums) into its super-block's sums (in place of them where `fresh`), and
+// The forms with byte scales, a piece's R rows: each row's block terms (sub-block `sub`'s scales;
+// AVX-512's Q6 passes its second set of sums) into its super-block's sums (in place of them where `fresh`), and
 // after the super-block's last block those sums into y. ADD, MINIMUMS and FLUSH: an instruction set's
 // add_to_super_block, add_minimums (Q4_K) and add_super_block for the form.
 template <RunForm F, int R, auto ADD, auto MINIMUMS = nullptr>
@@ -456,10 +452,16 @@ struct Q6SubBlock {
   GroupRuns<Q4_GROUP> then;
 };
 
-inline std::array<Q6SubBlock, 2> q6_sub_blocks(const RunLayout& l, const uint8_t* block, const Selection& s, int32_t j0,
-                                               int32_t j1, int64_t c0, int64_t n, const GroupRuns<Q4_GROUP>& after) {
+// The first of a Q6 piece's active channels [j0, j1) in its second sub-block (j1: none).
+inline int32_t q6_second_sub_block(const RunLayout& l, const Selection& s, int32_t j0, int32_t j1) {
   int32_t mid = j0;
   while (mid < j1 && l.sub_block(s.channel[mid]) == 0) ++mid;
+  return mid;
+}
+
+inline std::array<Q6SubBlock, 2> q6_sub_blocks(const RunLayout& l, const uint8_t* block, const Selection& s, int32_t j0,
+                                               int32_t j1, int64_t c0, int64_t n, const GroupRuns<Q4_GROUP>& after) {
+  const int32_t mid = q6_second_sub_block(l, s, j0, j1);
   const auto split = [](int32_t a, int32_t b) { return std::min(a + Q6_SUM_CHANNELS, b); };
   return {Q6SubBlock{j0, split(j0, mid), mid, mid < j1 ? GroupRuns<Q4_GROUP>(l, block, s, mid, j1, c0, n) : after},
           Q6SubBlock{mid, split(mid, j1), j1, after}};
@@ -492,9 +494,7 @@ struct Q6Plan {
 
 inline Q6Plan q6_plan(const RunLayout& l, const Selection& s, int32_t j0, int32_t j1) {
   constexpr int32_t EXACT = 32767 / 32;
-  int32_t mid = j0;
-  while (mid < j1 && l.sub_block(s.channel[mid]) == 0) ++mid;
-  const int32_t bounds[3] = {j0, mid, j1};
+  const int32_t bounds[3] = {j0, q6_second_sub_block(l, s, j0, j1), j1};
   int32_t split[2];
   for (int sub = 0; sub < 2; ++sub) {
     const int32_t a = bounds[sub], b = bounds[sub + 1];
