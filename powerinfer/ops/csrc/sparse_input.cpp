@@ -372,18 +372,23 @@ struct BlockChoice {
 };
 
 #ifdef POWERINFER_X86
-// SSE2, which every x86-64 CPU has: the selection runs once per row, site and block (scalar, and on one
+inline int32_t lane_sum(__m128i v) {
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
+}
+
+// SSE2, which every x86-64 CPU has (no popcnt: the count of those above is summed in lanes): the selection runs once per row, site and block (scalar, and on one
 // thread while the others waited, it was about 5 % of a 7B-width decode step). _mm_cvtps_epi32 rounds to nearest,
 // ties to even, as std::nearbyint.
 BlockChoice choose_block(const float* x, const float* limit, int8_t* k) {
   const __m128 sign = _mm_set1_ps(-0.0f);
   __m128 on[QK / 4], largest = _mm_setzero_ps();
-  int above = 0;
+  __m128i above = _mm_setzero_si128();  // per lane, how many were above (a lane of `on` is 0 or -1)
   for (int v = 0; v < QK / 4; ++v) {
     const __m128 a = _mm_andnot_ps(sign, _mm_loadu_ps(x + 4 * v));
     on[v] = _mm_cmpgt_ps(a, _mm_loadu_ps(limit + 4 * v));
     largest = _mm_max_ps(largest, _mm_and_ps(on[v], a));
-    above += __builtin_popcount(_mm_movemask_ps(on[v]));
+    above = _mm_sub_epi32(above, _mm_castps_si128(on[v]));
   }
   largest = _mm_max_ps(largest, _mm_movehl_ps(largest, largest));
   largest = _mm_max_ss(largest, _mm_shuffle_ps(largest, largest, 1));
@@ -400,9 +405,7 @@ BlockChoice choose_block(const float* x, const float* limit, int8_t* k) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(k + 16 * h), bytes);
     zero |= static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(bytes, _mm_setzero_si128()))) << (16 * h);
   }
-  total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0x4E));
-  total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0xB1));
-  return {scale, _mm_cvtsi128_si32(total), ~zero, above};
+  return {scale, lane_sum(total), ~zero, lane_sum(above)};
 }
 #else
 BlockChoice choose_block(const float* x, const float* limit, int8_t* k) {

@@ -107,10 +107,13 @@ inline Q6Slots q6_slots(int64_t o) {
 // 4-bit kernels' int16 sums (four vectors of 16; lane i = 2 j + p of vector u holds output
 // 32 (u / 2) + 4 (u % 2) + 16 p + j + 4 (j >= 4): sparse_input_simd.cpp, in_order), so that a vector of
 // sums meets its scales in one load and one `madd`.
-inline int64_t q4_scale_slot(int64_t o) {
-  const int64_t r = o % 64, half = r / 32, p = r % 32 / 16, t = r % 16;
-  const int64_t u = 2 * half + t / 4 % 2, j = t % 4 + 4 * (t / 8);
-  return o / 64 * 64 + 16 * u + 2 * j + p;
+// (Unsigned: an output is never negative, and / and % by powers of two are then shifts and masks;
+// the kernels compute these per 64 outputs.)
+inline int64_t q4_scale_slot(int64_t output) {
+  const uint64_t o = static_cast<uint64_t>(output);
+  const uint64_t r = o % 64, half = r / 32, p = r % 32 / 16, t = r % 16;
+  const uint64_t u = 2 * half + t / 4 % 2, j = t % 4 + 4 * (t / 8);
+  return static_cast<int64_t>(o / 64 * 64 + 16 * u + 2 * j + p);
 }
 
 inline bool four_bit_form(RunForm f) { return f == RunForm::Q4 || f == RunForm::Q4_MIN || f == RunForm::Q4_K; }
@@ -143,7 +146,10 @@ struct RunLayout {
   int64_t table_bytes() const { return super_blocks() * table_entry_bytes() * padded; }
   int64_t bytes() const { return blocks() * block_bytes() + table_bytes(); }
   // The byte of a run where output o's weights start (o a multiple of RUN_GROUP).
-  int64_t run_byte(int64_t o) const { return form == RunForm::Q8 ? o : form == RunForm::Q6 ? o / 4 * 3 : o / 2; }
+  int64_t run_byte(int64_t o) const {
+    const uint64_t u = static_cast<uint64_t>(o);  // unsigned, as q4_scale_slot
+    return static_cast<int64_t>(form == RunForm::Q8 ? u : form == RunForm::Q6 ? u / 4 * 3 : u / 2);
+  }
   // within block b (from its start): d of output o (byte_scales: its byte; Q6: of sub-block sub), its m
   // (Q4_K: its mn byte), channel c's run
   // (byte_scales: each 64 outputs' bytes in the kernels' order of sums, q4_scale_slot)
