@@ -280,10 +280,10 @@ struct SuperBlockSums {
   const uint8_t* table_to_fetch(const uint8_t* table) const { return last ? table : nullptr; }
 };
 
-// What one block adds to a row's super-block sums: its int16 sums (AVX-512's Q6: a sub-block's two
-// sets), its scale bytes, the row's scale and (Q4_K) its k sum in the block.
+// What one block adds to a row's super-block sums: its int16 sums, its scale bytes, the row's scale
+// and (Q4_K) its k sum in the block (Q6's rounds: add_q6_round).
 struct BlockTerms {
-  const int16_t *sums, *second;
+  const int16_t* sums;
   const uint8_t* scales;
   float scale;
   int32_t k_sum;
@@ -373,17 +373,16 @@ inline void add_super_block(const RunLayout& l, const uint8_t* table, int64_t c0
   }
 }
 
-// The forms with byte scales, a piece's R rows: each row's block terms (sub-block `sub`'s scales;
-// AVX-512's Q6 passes its second set of sums) into its super-block's sums (in place of them where `fresh`), and
-// after the super-block's last block those sums into y. ADD, MINIMUMS and FLUSH: an instruction set's
-// add_to_super_block, add_minimums (Q4_K) and add_super_block for the form.
+// The 4-bit forms with byte scales, a piece's R rows: each row's block terms into its super-block's
+// sums (in place of them where `fresh`), and after the super-block's last block those sums into y.
+// ADD, MINIMUMS and FLUSH: an instruction set's add_to_super_block, add_minimums (Q4_K) and
+// add_super_block for the form.
 template <RunForm F, int R, auto ADD, auto MINIMUMS = nullptr>
 void rows_into_super_block(const RunLayout& l, const BlockPiece& p, int64_t c0, int64_t chunk, const int16_t* acc,
-                           const int16_t* second, int64_t sub, bool fresh, const SuperBlockSums& super) {
+                           bool fresh, const SuperBlockSums& super) {
   for (int r = 0; r < R; ++r)
     if (fresh || p.scale[r] != 0.0f)  // 0: nothing of this row in the block
-      ADD({acc + r * chunk, second ? second + r * chunk : nullptr, p.block + l.d_at(c0, sub), p.scale[r], p.k_sum[r]}, p.n,
-          fresh, super.sums + r * l.padded + c0);
+      ADD({acc + r * chunk, p.block + l.d_at(c0), p.scale[r], p.k_sum[r]}, p.n, fresh, super.sums + r * l.padded + c0);
   if constexpr (F == RunForm::Q4_K) MINIMUMS(p.block + l.m_at(c0), p.scale, p.k_sum, p.n, fresh, super.min_sums + c0, l.padded);
 }
 
@@ -434,37 +433,16 @@ void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
         add_q4_min_outputs(l, block, c0 + g, acc + r * chunk + g, acc + r * chunk + g + 16, scale[r], k_sum[r], y + r * l.padded);
     }
   } else {
-    rows_into_super_block<F, R, add_to_super_block<F>, add_minimums<R>>(l, piece, c0, chunk, acc, nullptr, 0, super.first, super);
+    rows_into_super_block<F, R, add_to_super_block<F>, add_minimums<R>>(l, piece, c0, chunk, acc, super.first, super);
     if (super.last) rows_from_super_block<R, add_super_block<F>>(l, piece, c0, super, y);
   }
 }
-
-// The AVX-512 Q6 kernel's sets of sums (avx512::add_q6_piece; the AVX2 kernel's: q6_plan, which
-// AVX-512 is to follow once measured there): at most this many active channels of a sub-block per set
-// of int16 sums, a multiple of Q4_GROUP.
-constexpr int32_t Q6_SUM_CHANNELS = 8;
-
-// One of a Q6 piece's two sub-blocks (16 channels each, each with its own scale): its active
-// channels [a, b), the first of them in its second set of sums (split), and what its last group
-// fetches (the second sub-block's first group, after the first; the next piece's after the second).
-struct Q6SubBlock {
-  int32_t a, split, b;
-  GroupRuns<Q4_GROUP> then;
-};
 
 // The first of a Q6 piece's active channels [j0, j1) in its second sub-block (j1: none).
 inline int32_t q6_second_sub_block(const RunLayout& l, const Selection& s, int32_t j0, int32_t j1) {
   int32_t mid = j0;
   while (mid < j1 && l.sub_block(s.channel[mid]) == 0) ++mid;
   return mid;
-}
-
-inline std::array<Q6SubBlock, 2> q6_sub_blocks(const RunLayout& l, const uint8_t* block, const Selection& s, int32_t j0,
-                                               int32_t j1, int64_t c0, int64_t n, const GroupRuns<Q4_GROUP>& after) {
-  const int32_t mid = q6_second_sub_block(l, s, j0, j1);
-  const auto split = [](int32_t a, int32_t b) { return std::min(a + Q6_SUM_CHANNELS, b); };
-  return {Q6SubBlock{j0, split(j0, mid), mid, mid < j1 ? GroupRuns<Q4_GROUP>(l, block, s, mid, j1, c0, n) : after},
-          Q6SubBlock{mid, split(mid, j1), j1, after}};
 }
 
 // Where a set of Q6 sums over channels [a, b) starts for row r: -q_offset times the row's k sum
@@ -556,49 +534,59 @@ inline void add_q6_round(const RunLayout& l, const BlockPiece& p, int64_t c0, in
 // 0.70x the dense rows against 0.79-0.95x with Q6_K re-quantized to Q8 runs. Sets of at most eight
 // channels, each sub-block stepping into the super-block's sums apart: four rows at 0.52-0.55x the
 // dense rows on an AVX2-only AMD EPYC, 7B widths, 0-70 % skipped.)
-template <int R>
+// This drives an instruction set's parts: SET_SUMS (one set's channels into its rows' sums, fetching
+// `then` ahead), ROUND (add_q6_round) and FLUSH (add_super_block).
+using Q6SetSums = void (*)(const RunLayout& l, const BlockPiece& p, const Selection& s, int32_t a, int32_t b, int64_t c0,
+                           int64_t chunk, const GroupRuns<Q4_GROUP>& then, const SuperBlockSums& super, int16_t* sums);
+
+template <int R, Q6SetSums SET_SUMS, auto ROUND, auto FLUSH>
 void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
                   const GroupRuns<Q4_GROUP>& after, float* y, int16_t* acc, const SuperBlockSums& super) {
   const RunLayout l = with_form<RunForm::Q6>(layout);
   const BlockPiece piece = piece_of<R>(l, runs, s, i, c0, chunk);
-  const auto [block, table, j0, j1, scale, k_sum, n] = piece;
-  const Q6Plan plan = q6_plan(l, s, j0, j1);
+  const Q6Plan plan = q6_plan(l, s, piece.j0, piece.j1);
   bool has[2] = {false, false};  // the sub-blocks with sums in this round
   for (int e = 0; e < plan.count; ++e) {
     const auto [a, b, sub] = plan.sets[e];
-    int16_t* const sums = acc + sub * R * chunk;
     const GroupRuns<Q4_GROUP> then =
-        e + 1 < plan.count ? GroupRuns<Q4_GROUP>(l, block, s, plan.sets[e + 1].a, plan.sets[e + 1].b, c0, n) : after;
-    for (int r = 0; r < R; ++r) {
-      const __m256i start = _mm256_set1_epi16(q6_sums_start(l, s, a, b, r));
-      for (int64_t o = 0; o < n; o += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(sums + r * chunk + o), start);
-    }
-    for (int32_t j = a; j < b; j += Q4_GROUP) {
-      const auto [here, next] = group_and_next<Q4_GROUP>(l, block, s, j, b, c0, n, then);
-      const uint8_t* const* w = here.w;
-      __m256i k[Q4_GROUP / 2][R];
-      pair_ks<Q4_GROUP, R, false>(s, j, b, k);
-      for (int64_t g = 0; g < n; g += 64) {
-        if (g % 128 == 0) next.fetch_span(l.run_byte(g), l.run_byte(g + 128));
-        if (j + Q4_GROUP >= b) fetch_scales(l, block, super.table_to_fetch(table), c0 + g, 64);
-        __m256i six[Q4_GROUP / 2][4];
-        for (int h = 0; h < Q4_GROUP / 2; ++h) {
-          const uint8_t *w0 = w[2 * h], *w1 = w[2 * h + 1];
-          __m256i lo0, hi0, lo1, hi1;
-          split_six_bits(_mm256_load_si256(reinterpret_cast<const __m256i*>(w0 + q6_nibbles_at(g))), w0 + q6_top_at(g), lo0, hi0);
-          split_six_bits(_mm256_load_si256(reinterpret_cast<const __m256i*>(w1 + q6_nibbles_at(g))), w1 + q6_top_at(g), lo1, hi1);
-          interleave(lo0, hi0, lo1, hi1, six[h]);
-        }
-        for (int r = 0; r < R; ++r) add_two_pairs(sums + r * chunk + g, six[0], six[1], k[0][r], k[1][r]);
-      }
-    }
+        e + 1 < plan.count ? GroupRuns<Q4_GROUP>(l, piece.block, s, plan.sets[e + 1].a, plan.sets[e + 1].b, c0, piece.n) : after;
+    SET_SUMS(l, piece, s, a, b, c0, chunk, then, super, acc + sub * R * chunk);
     has[sub] = true;
     if (e + 1 == plan.first_round || e + 1 == plan.count) {
-      add_q6_round<R>(l, piece, c0, chunk, acc, has, super.first && e < plan.first_round, super.sums + c0);
+      ROUND(l, piece, c0, chunk, acc, has, super.first && e < plan.first_round, super.sums + c0);
       has[0] = has[1] = false;
     }
   }
-  if (super.last) rows_from_super_block<R, add_super_block<RunForm::Q6>>(l, piece, c0, super, y);
+  if (super.last) rows_from_super_block<R, FLUSH>(l, piece, c0, super, y);
+}
+
+// One set's channels [a, b) of a Q6 piece into its R rows' int16 sums (per row `chunk` apart).
+template <int R>
+void q6_set_sums(const RunLayout& l, const BlockPiece& p, const Selection& s, int32_t a, int32_t b, int64_t c0,
+                 int64_t chunk, const GroupRuns<Q4_GROUP>& then, const SuperBlockSums& super, int16_t* sums) {
+  for (int r = 0; r < R; ++r) {
+    const __m256i start = _mm256_set1_epi16(q6_sums_start(l, s, a, b, r));
+    for (int64_t o = 0; o < p.n; o += 16) _mm256_store_si256(reinterpret_cast<__m256i*>(sums + r * chunk + o), start);
+  }
+  for (int32_t j = a; j < b; j += Q4_GROUP) {
+    const auto [here, next] = group_and_next<Q4_GROUP>(l, p.block, s, j, b, c0, p.n, then);
+    const uint8_t* const* w = here.w;
+    __m256i k[Q4_GROUP / 2][R];
+    pair_ks<Q4_GROUP, R, false>(s, j, b, k);
+    for (int64_t g = 0; g < p.n; g += 64) {
+      if (g % 128 == 0) next.fetch_span(l.run_byte(g), l.run_byte(g + 128));
+      if (j + Q4_GROUP >= b) fetch_scales(l, p.block, super.table_to_fetch(p.table), c0 + g, 64);
+      __m256i six[Q4_GROUP / 2][4];
+      for (int h = 0; h < Q4_GROUP / 2; ++h) {
+        const uint8_t *w0 = w[2 * h], *w1 = w[2 * h + 1];
+        __m256i lo0, hi0, lo1, hi1;
+        split_six_bits(_mm256_load_si256(reinterpret_cast<const __m256i*>(w0 + q6_nibbles_at(g))), w0 + q6_top_at(g), lo0, hi0);
+        split_six_bits(_mm256_load_si256(reinterpret_cast<const __m256i*>(w1 + q6_nibbles_at(g))), w1 + q6_top_at(g), lo1, hi1);
+        interleave(lo0, hi0, lo1, hi1, six[h]);
+      }
+      for (int r = 0; r < R; ++r) add_two_pairs(sums + r * chunk + g, six[0], six[1], k[0][r], k[1][r]);
+    }
+  }
 }
 
 // The sums of 16 outputs from the two int32 vectors of the Q8 kernel (slot order [0 8 1 9 | 4 12 5 13]
@@ -903,7 +891,8 @@ void add_form_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s
     case RunForm::Q4: return add_q4_blocks<R, add_q4_piece<R, RunForm::Q4>>(l, runs, s, i0, i1, y);
     case RunForm::Q4_MIN: return add_q4_blocks<R, add_q4_piece<R, RunForm::Q4_MIN>>(l, runs, s, i0, i1, y);
     case RunForm::Q4_K: return add_q4_blocks<R, add_q4_piece<R, RunForm::Q4_K>>(l, runs, s, i0, i1, y);
-    case RunForm::Q6: return add_q4_blocks<R, add_q6_piece<R>, 2>(l, runs, s, i0, i1, y);
+    case RunForm::Q6:
+      return add_q4_blocks<R, add_q6_piece<R, q6_set_sums<R>, add_q6_round<R>, add_super_block<RunForm::Q6>>, 2>(l, runs, s, i0, i1, y);
     case RunForm::Q8:
       if (avx_vnni_active()) return add_q8_blocks<R, add_q8_piece<R, true>>(l, runs, s, i0, i1, y);
       return add_q8_blocks<R>(l, runs, s, i0, i1, y);
@@ -1026,11 +1015,6 @@ inline void add_to_super_block(const avx2::BlockTerms& t, int64_t n, bool first,
       const __m512i sc_even = _mm512_and_si512(sc, even_lanes), sc_odd = _mm512_and_si512(sc, odd_lanes);
       const __m512i s = _mm512_load_si512(t.sums + at);
       __m512i even = _mm512_madd_epi16(s, sc_even), odd = _mm512_madd_epi16(s, sc_odd);
-      if constexpr (F == RunForm::Q6) {
-        const __m512i s2 = _mm512_load_si512(t.second + at);
-        even = _mm512_add_epi32(even, _mm512_madd_epi16(s2, sc_even));
-        odd = _mm512_add_epi32(odd, _mm512_madd_epi16(s2, sc_odd));
-      }
       if constexpr (F == RunForm::Q4_K) {
         even = _mm512_add_epi32(even, _mm512_madd_epi16(sc_even, eight_k_sum));
         odd = _mm512_add_epi32(odd, _mm512_madd_epi16(sc_odd, eight_k_sum));
@@ -1134,60 +1118,73 @@ void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
         add_q4_min_outputs(l, block, c0 + g, acc + r * chunk + g, scale[r], k_sum[r], y + r * l.padded);
     }
   } else {
-    rows_into_super_block<F, R, add_to_super_block<F>, add_minimums<R>>(l, piece, c0, chunk, acc, nullptr, 0, super.first, super);
+    rows_into_super_block<F, R, add_to_super_block<F>, add_minimums<R>>(l, piece, c0, chunk, acc, super.first, super);
     if (super.last) rows_from_super_block<R, add_super_block<F>>(l, piece, c0, super, y);
   }
 }
 
-// Q6 runs, R rows, outputs [c0, c0 + chunk) of block i (see avx2::add_q6_piece): 128 outputs per step,
-// each 256-bit half of a vector what the AVX2 kernel computes for 64 of them (the top bits' 32 bytes
-// as [first 16, first 16, next 16, next 16] by 128-bit lane). acc as add_q4_piece's, per set of sums.
+// As avx2::add_q6_round, 128 outputs a step (add_to_super_block's order).
 template <int R>
-void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection& s, int64_t i, int64_t c0, int64_t chunk,
-                  const avx2::GroupRuns<avx2::Q4_GROUP>& after, float* y, int16_t* acc, const avx2::SuperBlockSums& super) {
-  using namespace avx2;
-  const RunLayout l = with_form<RunForm::Q6>(layout);
-  const BlockPiece piece = piece_of<R>(l, runs, s, i, c0, chunk);
-  const auto [block, table, j0, j1, scale, k_sum, n] = piece;
-  int16_t* const second_acc = acc + R * chunk;
-  const auto sub_blocks = q6_sub_blocks(l, block, s, j0, j1, c0, n, after);
-  bool fresh = super.first;  // the super-block's sums not yet written by this block
-  for (int64_t sub = 0; sub < 2; ++sub) {
-    const auto& [a, split, b, then] = sub_blocks[sub];
-    if (a == b) continue;
-    for (int r = 0; r < R; ++r) {
-      const __m512i first = _mm512_set1_epi16(q6_sums_start(l, s, a, split, r));
-      const __m512i second = _mm512_set1_epi16(q6_sums_start(l, s, split, b, r));
-      for (int64_t o = 0; o < n; o += 32) {
-        _mm512_store_si512(acc + r * chunk + o, first);
-        _mm512_store_si512(second_acc + r * chunk + o, second);
+inline void add_q6_round(const RunLayout& l, const avx2::BlockPiece& p, int64_t c0, int64_t chunk, const int16_t* acc,
+                         const bool has[2], bool first, float* sums) {
+  const __m512i even_lanes = _mm512_set1_epi32(0xFFFF), odd_lanes = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m512 row_scale[R];
+  for (int r = 0; r < R; ++r) row_scale[r] = _mm512_set1_ps(p.scale[r]);
+  for (int64_t g = 0; g < p.n; g += 128)
+    for (int v = 0; v < 4; ++v) {
+      const int64_t at = g + 32 * v;
+      __m512i even_sc[2], odd_sc[2];
+      for (int sub = 0; sub < 2; ++sub) {
+        const __m512i sc = vector_bytes(p.block + l.d_at(c0, sub) + g + 16 * v);
+        even_sc[sub] = _mm512_and_si512(sc, even_lanes), odd_sc[sub] = _mm512_and_si512(sc, odd_lanes);
       }
-    }
-    for (int32_t j = a; j < b; j += Q4_GROUP) {
-      int16_t* const sums = j < split ? acc : second_acc;
-      const auto [here, next] = group_and_next<Q4_GROUP>(l, block, s, j, b, c0, n, then);
-      const uint8_t* const* w = here.w;
-      __m512i k[Q4_GROUP / 2][R];
-      for (int h = 0; h < Q4_GROUP / 2; ++h)
-        for (int r = 0; r < R; ++r) k[h][r] = _mm512_set1_epi16(byte_pair(s, j + 2 * h, b, r));
-      for (int64_t g = 0; g < n; g += 128) {
-        next.fetch_span(l.run_byte(g), l.run_byte(g + 128));
-        if (j + Q4_GROUP >= b) fetch_scales(l, block, super.table_to_fetch(table), c0 + g, 128);
-        __m512i six[Q4_GROUP / 2][4];
-        for (int h = 0; h < Q4_GROUP / 2; ++h) {  // a 128 outputs' 64 bytes of nibbles, then 32 of top bits
-          const uint8_t *w0 = w[2 * h], *w1 = w[2 * h + 1];
-          __m512i lo0, hi0, lo1, hi1;
-          split_six_bits(_mm512_loadu_si512(w0 + q6_nibbles_at(g)), w0 + q6_top_at(g), lo0, hi0);
-          split_six_bits(_mm512_loadu_si512(w1 + q6_nibbles_at(g)), w1 + q6_top_at(g), lo1, hi1);
-          interleave(lo0, hi0, lo1, hi1, six[h]);
+      for (int r = 0; r < R; ++r) {
+        if (!first && p.scale[r] == 0.0f) continue;  // nothing of this row in the block
+        __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+        for (int sub = 0; sub < 2; ++sub) {
+          if (!has[sub]) continue;
+          const __m512i s = _mm512_load_si512(acc + (sub * R + r) * chunk + at);
+          even = _mm512_add_epi32(even, _mm512_madd_epi16(s, even_sc[sub]));
+          odd = _mm512_add_epi32(odd, _mm512_madd_epi16(s, odd_sc[sub]));
         }
-        for (int r = 0; r < R; ++r) add_two_pairs(sums + r * chunk + g, six[0], six[1], k[0][r], k[1][r]);
+        add_scaled_floats(sums + r * l.padded + at, even, row_scale[r], first);
+        add_scaled_floats(sums + r * l.padded + at + 16, odd, row_scale[r], first);
       }
     }
-    rows_into_super_block<RunForm::Q6, R, add_to_super_block<RunForm::Q6>>(l, piece, c0, chunk, acc, second_acc, sub, fresh, super);
-    fresh = false;
+}
+
+// As avx2::q6_set_sums, 128 outputs per step, each 256-bit half of a vector what the AVX2 kernel
+// computes for 64 of them (the top bits' 32 bytes as [first 16, first 16, next 16, next 16] by 128-bit
+// lane); the sums as add_q4_piece's.
+template <int R>
+void q6_set_sums(const RunLayout& l, const avx2::BlockPiece& p, const Selection& s, int32_t a, int32_t b, int64_t c0,
+                 int64_t chunk, const avx2::GroupRuns<avx2::Q4_GROUP>& then, const avx2::SuperBlockSums& super,
+                 int16_t* sums) {
+  using namespace avx2;
+  for (int r = 0; r < R; ++r) {
+    const __m512i start = _mm512_set1_epi16(q6_sums_start(l, s, a, b, r));
+    for (int64_t o = 0; o < p.n; o += 32) _mm512_store_si512(sums + r * chunk + o, start);
   }
-  if (super.last) rows_from_super_block<R, add_super_block<RunForm::Q6>>(l, piece, c0, super, y);
+  for (int32_t j = a; j < b; j += Q4_GROUP) {
+    const auto [here, next] = group_and_next<Q4_GROUP>(l, p.block, s, j, b, c0, p.n, then);
+    const uint8_t* const* w = here.w;
+    __m512i k[Q4_GROUP / 2][R];
+    for (int h = 0; h < Q4_GROUP / 2; ++h)
+      for (int r = 0; r < R; ++r) k[h][r] = _mm512_set1_epi16(byte_pair(s, j + 2 * h, b, r));
+    for (int64_t g = 0; g < p.n; g += 128) {
+      next.fetch_span(l.run_byte(g), l.run_byte(g + 128));
+      if (j + Q4_GROUP >= b) fetch_scales(l, p.block, super.table_to_fetch(p.table), c0 + g, 128);
+      __m512i six[Q4_GROUP / 2][4];
+      for (int h = 0; h < Q4_GROUP / 2; ++h) {  // a 128 outputs' 64 bytes of nibbles, then 32 of top bits
+        const uint8_t *w0 = w[2 * h], *w1 = w[2 * h + 1];
+        __m512i lo0, hi0, lo1, hi1;
+        split_six_bits(_mm512_loadu_si512(w0 + q6_nibbles_at(g)), w0 + q6_top_at(g), lo0, hi0);
+        split_six_bits(_mm512_loadu_si512(w1 + q6_nibbles_at(g)), w1 + q6_top_at(g), lo1, hi1);
+        interleave(lo0, hi0, lo1, hi1, six[h]);
+      }
+      for (int r = 0; r < R; ++r) add_two_pairs(sums + r * chunk + g, six[0], six[1], k[0][r], k[1][r]);
+    }
+  }
 }
 
 // Q8 runs, R rows, outputs [c0, c0 + chunk) of block i (see avx2::add_q8_piece). Per 32 outputs the
@@ -1250,12 +1247,13 @@ void add_q8_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
 // R rows' blocks with the form's kernel.
 template <int R>
 void add_form_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
-  using avx2::add_q4_blocks, avx2::add_q8_blocks;
+  using avx2::add_q4_blocks, avx2::add_q6_piece, avx2::add_q8_blocks;
   switch (l.form) {
     case RunForm::Q4: return add_q4_blocks<R, add_q4_piece<R, RunForm::Q4>>(l, runs, s, i0, i1, y);
     case RunForm::Q4_MIN: return add_q4_blocks<R, add_q4_piece<R, RunForm::Q4_MIN>>(l, runs, s, i0, i1, y);
     case RunForm::Q4_K: return add_q4_blocks<R, add_q4_piece<R, RunForm::Q4_K>>(l, runs, s, i0, i1, y);
-    case RunForm::Q6: return add_q4_blocks<R, add_q6_piece<R>, 2>(l, runs, s, i0, i1, y);
+    case RunForm::Q6:
+      return add_q4_blocks<R, add_q6_piece<R, q6_set_sums<R>, add_q6_round<R>, add_super_block<RunForm::Q6>>, 2>(l, runs, s, i0, i1, y);
     case RunForm::Q8: return add_q8_blocks<R, add_q8_piece<R>>(l, runs, s, i0, i1, y);
   }
 }
