@@ -372,14 +372,15 @@ struct BlockChoice {
 };
 
 #ifdef POWERINFER_X86
+// The sum of v's four int32 lanes.
 inline int32_t lane_sum(__m128i v) {
   v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
   return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
 }
 
-// SSE2, which every x86-64 CPU has (no popcnt: the count of those above is summed in lanes): the selection runs once per row, site and block (scalar, and on one
-// thread while the others waited, it was about 5 % of a 7B-width decode step). _mm_cvtps_epi32 rounds to nearest,
-// ties to even, as std::nearbyint.
+// SSE2, which every x86-64 CPU has: the selection runs once per row, site and block (scalar, and on one
+// thread while the others waited, it was about 5 % of a 7B-width decode step). _mm_cvtps_epi32 rounds
+// to nearest, ties to even, as std::nearbyint. No popcnt either: the channels above are counted in lanes.
 BlockChoice choose_block(const float* x, const float* limit, int8_t* k) {
   const __m128 sign = _mm_set1_ps(-0.0f);
   __m128 on[QK / 4], largest = _mm_setzero_ps();
