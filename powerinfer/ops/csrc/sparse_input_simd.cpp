@@ -374,9 +374,8 @@ inline void add_super_block(const RunLayout& l, const uint8_t* table, int64_t c0
 }
 
 // The 4-bit forms with byte scales, a piece's R rows: each row's block terms into its super-block's
-// sums (in place of them where `fresh`), and after the super-block's last block those sums into y.
-// ADD, MINIMUMS and FLUSH: an instruction set's add_to_super_block, add_minimums (Q4_K) and
-// add_super_block for the form.
+// sums (in place of them where `fresh`), and Q4_K's minimums into theirs. ADD and MINIMUMS: an
+// instruction set's add_to_super_block and add_minimums (Q4_K) for the form.
 template <RunForm F, int R, auto ADD, auto MINIMUMS = nullptr>
 void rows_into_super_block(const RunLayout& l, const BlockPiece& p, int64_t c0, int64_t chunk, const int16_t* acc,
                            bool fresh, const SuperBlockSums& super) {
@@ -386,6 +385,8 @@ void rows_into_super_block(const RunLayout& l, const BlockPiece& p, int64_t c0, 
   if constexpr (F == RunForm::Q4_K) MINIMUMS(p.block + l.m_at(c0), p.scale, p.k_sum, p.n, fresh, super.min_sums + c0, l.padded);
 }
 
+// After a super-block's last block, its R rows' sums into y. FLUSH: an instruction set's
+// add_super_block for the form.
 template <int R, auto FLUSH>
 void rows_from_super_block(const RunLayout& l, const BlockPiece& p, int64_t c0, const SuperBlockSums& super, float* y) {
   for (int r = 0; r < R; ++r)
