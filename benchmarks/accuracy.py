@@ -48,9 +48,9 @@ def main() -> None:
     llama = llama_cpp.Llama(str(model), n_ctx=512, logits_all=True, n_threads=2, verbose=False)
     llama.eval(ids)
     rows = []
-    for isa in native.instruction_sets():
-        with native.instruction_set(isa):
-            rows.append(compare(f"powerinfer, {isa} kernels ({native.ACTIVATION_ROUNDING[isa]} activations)", fast.logits(ids), reference))
+    for path in native.kernel_paths():
+        with native.kernel_path(path):
+            rows.append(compare(f"powerinfer, {path} kernels ({native.activation_rounding()} activations)", fast.logits(ids), reference))
     rows += [compare("powerinfer dtype=float32", exact.logits(ids), reference),
              compare(f"llama.cpp, {llama_cpp_isa(llama_cpp)} build (8-bit activations)", np.array(llama.scores[: len(ids)]), reference)]
 

@@ -130,10 +130,11 @@ def _instruction_sets() -> list[str]:
 
 @pytest.fixture(params=_instruction_sets())
 def isa(request):
-    """Each instruction set this CPU runs the native kernels with (the test runs once per set)."""
+    """Each instruction set this CPU runs the native kernels with (the test runs once per set; AVX-512
+    with QuantLinear's bfloat16 kernel, which Intel's CPUs do not run by default)."""
     from powerinfer.ops import native
 
-    with native.instruction_set(request.param):
+    with native.instruction_set(request.param), native.bf16_dot(request.param == "avx512"):
         yield request.param
 
 

@@ -62,12 +62,12 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 # ---------------------------------------------------------------- engines and logits
 
 def activation_rounding_factor() -> float:
-    """How much coarser than bfloat16 the active kernels round activations (native.ACTIVATION_ROUNDING):
+    """How much coarser than bfloat16 the active kernels round activations (native.activation_rounding):
     a step of int8 per 32 inputs is up to 2^-7 of a block's largest input, bfloat16's 2^-9 of each;
     tolerances measured with bfloat16 scale by this."""
     from powerinfer.ops import native
 
-    return 4.0 if native.load() is not None and native.ACTIVATION_ROUNDING[native.load().isa()] == "int8" else 1.0
+    return 4.0 if native.load() is not None and native.activation_rounding() == "int8" else 1.0
 
 
 def plain_and_vnni_avx2(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

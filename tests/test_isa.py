@@ -65,6 +65,25 @@ def test_avx_vnni_is_on_where_the_cpu_has_it_unless_the_environment_says_0():
             native.load().set_avx_vnni(True)
 
 
+def test_quantlinear_runs_the_bfloat16_kernel_by_default_on_amd_only_unless_the_environment_says():
+    def used(setting: str | None) -> str:
+        code = "from powerinfer.ops import native; print(native.load().bf16_dot(), native.load().quant_kernel_isa())"
+        env = {key: value for key, value in os.environ.items() if key != "POWERINFER_BF16_DOT"}
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={**env, **({"POWERINFER_BF16_DOT": setting} if setting else {})}).stdout.strip()
+
+    vendor = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("vendor_id"))
+    best = native.load().detected_isa()
+    if best == "avx512":
+        assert used(None) == ("True avx512" if vendor == "AuthenticAMD" else "False avx2")
+        assert used("1") == "True avx512" and used("off") == "False avx2"
+    else:
+        assert used("1") == f"False {best}"  # no AVX-512: nothing to switch
+        with pytest.raises(ValueError, match="AVX-512"):
+            native.load().set_bf16_dot(True)
+
+
 @pytest.fixture(scope="module")
 def scalar_text(default_model) -> str:
     return greedy_text(default_model, "scalar")

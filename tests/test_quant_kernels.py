@@ -34,10 +34,10 @@ def rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return 2 * w.shape[1] * 2.0**-24 * (x.double().abs() @ (256 * group_max).T) + 1e-30
 
 
-def expected_product(isa: str, x: torch.Tensor, tensor) -> torch.Tensor:
-    """What the kernel of `isa` computes, in float64: the weights times x rounded to bfloat16
-    (AVX-512, scalar) or (AVX2) to int8 per 32 inputs (quant_matmul.h)."""
-    if isa == "avx2":
+def expected_product(x: torch.Tensor, tensor) -> torch.Tensor:
+    """What the active kernel computes, in float64: the weights times x rounded to bfloat16
+    (AVX-512's bfloat16 kernel, scalar) or to int8 per 32 inputs (the AVX2 kernels; quant_matmul.h)."""
+    if native.activation_rounding() == "int8":
         q, scale, _ = N.quantize_activations(x)
         rounded = (q * scale[..., None]).view(x.shape).double()
     else:
@@ -60,11 +60,12 @@ def test_every_type_on_every_instruction_set_equals_dequantized_matmul(ggml_type
     assert isinstance(layer, QuantLinear) and (layer.out_features, layer.in_features) == (rows, cols)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(seed))
     bound = rounding_bound(x, dequantized(tensor))
-    for isa in native.instruction_sets():
-        with native.instruction_set(isa):
+    for path in native.kernel_paths():
+        with native.kernel_path(path):
             got = layer(x)
+            expected = expected_product(x, tensor)
         assert got.dtype == torch.float32 and got.shape == (tokens, rows)
-        assert torch.all((got.double() - expected_product(isa, x, tensor)).abs() <= bound), isa
+        assert torch.all((got.double() - expected).abs() <= bound), path
 
 
 @pytest.mark.skipif(quant_kernel() is None or not quant_kernel().avx_vnni_detected(), reason="this CPU has no AVX-VNNI")
@@ -78,6 +79,22 @@ def test_avx_vnni_gives_the_plain_avx2_kernels_results_bit_for_bit(ggml_type, ro
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(seed))
     plain, vnni = plain_and_vnni_avx2(layer, x)
     assert torch.equal(plain, vnni)
+
+
+@pytest.mark.skipif(quant_kernel() is None or quant_kernel().detected_isa() != "avx512", reason="this CPU has no AVX-512")
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K, T.Q8_0])
+def test_avx512_without_the_bfloat16_kernel_runs_the_avx2_kernels(ggml_type):
+    """Where the bfloat16 dot product is off (Intel's CPUs by default), QuantLinear on AVX-512 gives the
+    AVX2 integer kernels' results bit for bit, one row and several."""
+    layer = pack_quant([quantized_rows(ggml_type, 50, 512, seed=7)])
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(8))
+    with native.instruction_set("avx2"):
+        avx2 = layer(x)
+    with native.instruction_set("avx512"), native.bf16_dot(False):
+        assert quant_kernel().quant_kernel_isa() == "avx2" and native.activation_rounding() == "int8"
+        assert torch.equal(layer(x), avx2) and torch.equal(layer(x[:1]), avx2[:1])
+    with native.instruction_set("avx512"), native.bf16_dot(True):
+        assert quant_kernel().quant_kernel_isa() == "avx512" and not torch.equal(layer(x), avx2)
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K, T.Q3_K])
@@ -96,7 +113,7 @@ def test_types_mixed_in_one_projection_as_q4_k_m_files_have(isa):
                quantized_rows(T.Q4_0, 9, 256, seed=5)]
     layer = pack_quant(tensors)
     x = torch.randn(3, 256)
-    expected = torch.cat([expected_product(isa, x, t) for t in tensors], dim=1)
+    expected = torch.cat([expected_product(x, t) for t in tensors], dim=1)
     w = torch.cat([dequantized(t) for t in tensors])
     assert torch.all((layer(x).double() - expected).abs() <= rounding_bound(x, w))
 

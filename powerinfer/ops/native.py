@@ -99,15 +99,29 @@ def avx_vnni(on: bool) -> AbstractContextManager[None]:
     return _switched(ops.avx_vnni, ops.set_avx_vnni, on)
 
 
-def kernels_label() -> str:
-    """The active instruction set, with "+vnni" where the AVX2 kernel uses AVX-VNNI (for reports)."""
+def bf16_dot(on: bool) -> AbstractContextManager[None]:
+    """Inside the block, QuantLinear on AVX-512 runs the bfloat16 kernel (on: the CPU must have AVX-512)
+    or the AVX2 integer kernels (csrc/common.h: by default on for AMD's CPUs only). POWERINFER_BF16_DOT=1
+    or 0 sets it per process."""
     ops = load()
-    return ops.isa() + ("+vnni" if ops.isa() == "avx2" and ops.avx_vnni() else "")
+    return _switched(ops.bf16_dot, ops.set_bf16_dot, on)
 
 
-# How QuantLinear rounds activations on each instruction set (csrc/quant_matmul.h): AVX2 has no
-# bfloat16 dot product and rounds them to int8 per 32 inputs, as llama.cpp does.
-ACTIVATION_ROUNDING = {"avx512": "bfloat16", "avx2": "int8", "scalar": "bfloat16"}
+def kernels_label() -> str:
+    """The active instruction set, with "+vnni" where the AVX2 kernel uses AVX-VNNI, and QuantLinear's
+    where it differs (for reports)."""
+    ops = load()
+    vnni = "+vnni" if ops.avx_vnni() else ""
+    quant = ops.quant_kernel_isa()
+    if quant != ops.isa():
+        return f"{ops.isa()} (QuantLinear: {quant}{vnni})"
+    return ops.isa() + (vnni if ops.isa() == "avx2" else "")
+
+
+def activation_rounding() -> str:
+    """How QuantLinear's active kernels round activations (csrc/quant_matmul.h): "bfloat16" (AVX-512's
+    bfloat16 kernel, scalar) or "int8" per 32 inputs (the AVX2 kernels, as llama.cpp does)."""
+    return "int8" if load().quant_kernel_isa() == "avx2" else "bfloat16"
 
 
 def instruction_sets() -> list[str]:
@@ -126,7 +140,8 @@ def kernel_paths() -> list[str]:
 
 @contextmanager
 def kernel_path(label: str) -> Iterator[None]:
-    """Run one of kernel_paths() inside the block (plain "avx2": without AVX-VNNI, as CPUs that lack it)."""
+    """Run one of kernel_paths() inside the block (plain "avx2": without AVX-VNNI, as CPUs that lack it;
+    "avx512": QuantLinear's bfloat16 kernel too)."""
     isa, _, extension = label.partition("+")
-    with instruction_set(isa), avx_vnni(extension == "vnni"):
+    with instruction_set(isa), avx_vnni(extension == "vnni"), bf16_dot(isa == "avx512"):
         yield

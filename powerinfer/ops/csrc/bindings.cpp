@@ -41,6 +41,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("avx_vnni_detected", &avx_vnni_detected, "whether this CPU has AVX-VNNI");
   m.def("avx_vnni", &avx_vnni_active, "whether the AVX2 kernels use AVX-VNNI");
   m.def("set_avx_vnni", &set_avx_vnni, "use AVX-VNNI in the AVX2 kernels or not (on: the CPU must have it)");
+  m.def("bf16_dot", &bf16_dot_active, "whether QuantLinear's AVX-512 kernel is the bfloat16 one (off: the integer AVX2 kernels)");
+  m.def("set_bf16_dot", &set_bf16_dot, "QuantLinear on AVX-512: the bfloat16 kernel (on: the CPU must have AVX-512) or the integer ones");
+  m.def("quant_kernel_isa", [] { return std::string(isa_name(quant_kernel_isa())); },
+        "the instruction set of QuantLinear's kernels (avx2 on AVX-512 with the bfloat16 dot product off)");
 
   m.def("quant_types", [] {
     std::vector<int64_t> types;

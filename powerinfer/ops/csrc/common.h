@@ -49,6 +49,13 @@ const char* isa_name(Isa isa);
 bool avx_vnni_detected();
 bool avx_vnni_active();
 void set_avx_vnni(bool on);  // refuses on where the CPU lacks it
+// QuantLinear on AVX-512: the bfloat16 dot product kernel (on), or the AVX2 integer kernels, x rounded
+// to int8 (off). By default on for AMD's CPUs only (isa.cpp says why); POWERINFER_BF16_DOT=1 or 0 sets it.
+bool bf16_dot_active();
+void set_bf16_dot(bool on);  // refuses on where the CPU has no AVX-512
+// The instruction set of QuantLinear's kernels (and of prefill's dense pass over channel runs):
+// active_isa(), but AVX2 on AVX-512 with the bfloat16 dot product off.
+Isa quant_kernel_isa();
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;

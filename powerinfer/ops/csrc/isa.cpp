@@ -1,12 +1,14 @@
 // Which instruction set the kernels use: detected once from the CPU (and whether the OS saves the
 // wider registers, which the compiler's CPU-feature check includes), lowered by POWERINFER_ISA
 // (avx512, avx2 or scalar; a set the CPU lacks, or an unknown name, leaves the detected one); and
-// whether the AVX2 kernel uses AVX-VNNI (POWERINFER_AVX_VNNI=0: not).
+// whether the AVX2 kernel uses AVX-VNNI (POWERINFER_AVX_VNNI=0: not); and whether QuantLinear's AVX-512
+// kernel is the bfloat16 one (POWERINFER_BF16_DOT).
 #include "common.h"
 
 #include <atomic>
 #include <cctype>
 #include <cstdlib>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -64,20 +66,55 @@ bool avx_vnni_detected() {
 }
 
 namespace {
-// POWERINFER_AVX_VNNI=0 (or off, false, no, in any case) turns it off
-bool refused_by_environment() {
-  const char* wanted = std::getenv("POWERINFER_AVX_VNNI");
-  if (wanted == nullptr) return false;
+// A switch's environment variable: 1, on, true, yes -> on; 0, off, false, no -> off (any case); unset or
+// anything else: nullopt (the default).
+std::optional<bool> switched_by_environment(const char* name) {
+  const char* wanted = std::getenv(name);
+  if (wanted == nullptr) return std::nullopt;
   std::string value(wanted);
   for (char& c : value) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return value == "0" || value == "off" || value == "false" || value == "no";
+  if (value == "1" || value == "on" || value == "true" || value == "yes") return true;
+  if (value == "0" || value == "off" || value == "false" || value == "no") return false;
+  return std::nullopt;
 }
 
 std::atomic<bool>& vnni() {
-  static std::atomic<bool> on{avx_vnni_detected() && !refused_by_environment()};
+  static std::atomic<bool> on{avx_vnni_detected() && switched_by_environment("POWERINFER_AVX_VNNI").value_or(true)};
+  return on;
+}
+
+// Where 512-bit vectors run at full rate (AMD's Zen 4 and 5), QuantLinear's bfloat16 kernel is the
+// faster one at several rows (Zen 5, 2 threads: 1.4-1.7x the integer kernels at 8 rows, the same at 1).
+// Intel's cores run 512-bit vectors on two ports of their three: there the integer kernels
+// (AVX-VNNI) were 1.2-2.5x faster at one row and 1.0-1.7x at eight (Emerald Rapids, 2 threads:
+// benchmarks/results/quant_kernels_avx512_emerald_rapids.md).
+bool bf16_dot_by_default() {
+#ifdef POWERINFER_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd");
+#else
+  return false;
+#endif
+}
+
+std::atomic<bool>& bf16_dot() {
+  static std::atomic<bool> on{detected_isa() == Isa::AVX512 &&
+                              switched_by_environment("POWERINFER_BF16_DOT").value_or(bf16_dot_by_default())};
   return on;
 }
 }  // namespace
+
+bool bf16_dot_active() { return bf16_dot().load(std::memory_order_relaxed); }
+
+void set_bf16_dot(bool on) {
+  if (on && detected_isa() < Isa::AVX512) throw std::invalid_argument("this CPU has no AVX-512 bfloat16 dot product");
+  bf16_dot().store(on, std::memory_order_relaxed);
+}
+
+Isa quant_kernel_isa() {
+  const Isa isa = active_isa();
+  return isa == Isa::AVX512 && !bf16_dot_active() ? Isa::AVX2 : isa;
+}
 
 bool avx_vnni_active() { return vnni().load(std::memory_order_relaxed); }
 

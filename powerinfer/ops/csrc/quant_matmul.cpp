@@ -190,7 +190,7 @@ torch::Tensor QuantProjection::operator()(const torch::Tensor& x) const {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "x must be [rows, ", in_features, "]");
   const auto xf = x.to(torch::kFloat32).contiguous();
   const int64_t M = xf.size(0);
-  const Isa isa = active_isa();
+  const Isa isa = quant_kernel_isa();
   const PreparedInput input = prepare_input(xf.data_ptr<float>(), M, in_features, isa);
   auto out = torch::empty({M, out_features}, xf.options());
   std::vector<PackedMatrix> matrices;

@@ -534,7 +534,7 @@ torch::Tensor SparseInputProjection::dense_prefill(const torch::Tensor& x_all) c
   });
   selected_.store(selected.load(), std::memory_order_relaxed);
   bytes_read_.store(run_bytes(parts), std::memory_order_relaxed);
-  const Isa isa = active_isa();
+  const Isa isa = quant_kernel_isa();
   const PreparedInput input = prepare_input(x.data_ptr<float>(), M, K, isa);
   const OutputBlockKernel kernel = output_block_kernel(isa);
   const RunRepacker repack = run_kernels().repack;
