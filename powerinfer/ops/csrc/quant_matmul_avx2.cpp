@@ -19,10 +19,6 @@ POWERINFER_TARGET_AVX2
 namespace powerinfer::avx2 {
 namespace {
 
-// Chunks are read front to back, but the hardware prefetchers fall behind on the larger ones
-// (measured from memory, one thread: Q5_K 6.5 -> 13.9 GB/s, Q6_K 6.0 -> 12.5 with this; 16 in cache).
-constexpr int64_t PREFETCH_CHUNKS = 2;  // how far ahead
-
 // Rows of x sharing one unpacking of the weights: each keeps two int16 sums in registers, and AVX2
 // has 16 of them.
 constexpr int ROW_GROUP = 4;
@@ -134,7 +130,7 @@ void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, flo
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < n_blocks; ++b) {
     const uint8_t* chunk = chunks + b * L.bytes;
-    if (m0 < TASK_ROWS) prefetch(chunk + PREFETCH_CHUNKS * L.bytes, L.bytes);  // later row blocks find the weights in cache
+    if (m0 < TASK_ROWS) prefetch(chunk + prefetch_chunks(L) * L.bytes, L.bytes);  // later row blocks find the weights in cache
     for (int64_t j = 0; j < n_sub; ++j) {
       const int64_t k = b * F.n + j * F.sub, s = b * n_sub + j;
       __m256i high_a = _mm256_setzero_si256(), high_b = high_a;
@@ -196,7 +192,7 @@ void output_block_q8(const uint8_t* chunks, const PreparedInput& x, int64_t m0, 
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < n_blocks; ++b) {
     const uint8_t* chunk = chunks + b * L.bytes;
-    if (m0 < TASK_ROWS) prefetch(chunk + PREFETCH_CHUNKS * L.bytes, L.bytes);
+    if (m0 < TASK_ROWS) prefetch(chunk + prefetch_chunks(L) * L.bytes, L.bytes);
     __m256i dot[ROWS][2];
     for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     for (int64_t p = 0; p < QK / 2; ++p) {

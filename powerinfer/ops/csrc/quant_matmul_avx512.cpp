@@ -9,10 +9,6 @@ POWERINFER_TARGET_AVX512
 namespace powerinfer::avx512 {
 namespace {
 
-// Chunks are read front to back, but the hardware prefetchers fall behind on the larger ones
-// (measured from memory, one thread: Q5_K 6.5 -> 13.9 GB/s, Q6_K 6.0 -> 12.5 with this; 16 in cache).
-constexpr int64_t PREFETCH_CHUNKS = 2;  // how far ahead
-
 template <int64_t TYPE>
 constexpr int64_t SUB_STEPS = find_format(TYPE)->sub / STEP;  // steps of a sub-block
 
@@ -120,7 +116,7 @@ void output_block(const uint8_t* chunks, const PreparedInput& x, int64_t m0, flo
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < n_blocks; ++b) {
     const uint8_t* chunk = chunks + b * L.bytes;
-    if (m0 < TASK_ROWS) prefetch(chunk + PREFETCH_CHUNKS * L.bytes, L.bytes);  // later row blocks find the weights in cache
+    if (m0 < TASK_ROWS) prefetch(chunk + prefetch_chunks(L) * L.bytes, L.bytes);  // later row blocks find the weights in cache
     const __m512 d = half_vector<SLOTS<TYPE>>(chunk + L.d);
     const __m512 dmin = F.has_min ? half_vector<SLOTS<TYPE>>(chunk + L.dmin) : _mm512_setzero_ps();
     for (int64_t j = 0; j < n_sub; ++j) {
