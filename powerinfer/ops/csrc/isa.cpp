@@ -83,10 +83,10 @@ std::atomic<bool>& vnni() {
   return on;
 }
 
-// Where 512-bit vectors run at full rate (AMD's Zen 4 and 5), QuantLinear's bfloat16 kernel is the
-// faster one at several rows (Zen 5, 2 threads: 1.4-1.7x the integer kernels at 8 rows, the same at 1).
+// On AMD's CPUs QuantLinear's bfloat16 kernel is the faster one at several rows (Zen 5, 2 threads:
+// 1.4-1.9x the integer kernels at 8 rows, the same at 1: benchmarks/results/quant_kernels.md).
 // Intel's cores run 512-bit vectors on two ports of their three: there the integer kernels
-// (AVX-VNNI) were 1.2-2.5x faster at one row and 1.0-1.7x at eight (Emerald Rapids, 2 threads:
+// (AVX-VNNI) were 1.2-2.5x faster at one row and 1.0-2.0x at eight (Emerald Rapids, 2 threads:
 // benchmarks/results/quant_kernels_avx512_emerald_rapids.md).
 bool bf16_dot_by_default() {
 #ifdef POWERINFER_X86
