@@ -172,13 +172,16 @@ def test_fused_parts_of_mixed_types_equal_the_masked_product(each_isa):
 
 @pytest.mark.parametrize("rows", [7, SPARSE_MAX_ROWS])  # groups of 4 rows read each run once, and the rest
 @pytest.mark.parametrize("form", ["4-bit", "Q8_0", "Q6_K"])
-def test_each_row_gets_its_one_row_result_exactly(rows, form, each_isa):
+# 768: three super-blocks, which groups take turns on (two threads split them mid-super-block)
+@pytest.mark.parametrize("in_features", [256, 768])
+def test_each_row_gets_its_one_row_result_exactly(rows, form, in_features, each_isa):
     """What keeps batched decoding equal to decoding alone: each row's bits do not depend on the
     other rows of its call."""
-    matrices = fused(seed=6) if form == "4-bit" else [matrix(T[form], 200, 256, seed=6)]
-    x = inputs(rows, 256, seed=7)
+    matrices = fused(6, in_features) if form == "4-bit" else [matrix(T[form], 200, in_features, seed=6)]
+    x = inputs(rows, in_features, seed=7)
     x[1] *= 4  # a row that selects many more channels than the others
-    x[2, :128] = 0.0  # and one with nothing in half the blocks
+    x[2, :128] = 0.0  # and one with nothing in the first blocks
+    x[5, 256:512] = 0.0  # and one with nothing in a super-block
     thresholds = thresholds_at(x, 0.6, seed=8)
     layer = column_linear(matrices, thresholds)
     assert layer.native is layer.projection is not None  # what the C++ decode step calls

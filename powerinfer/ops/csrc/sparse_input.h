@@ -279,8 +279,8 @@ struct SparseInputProjection : Projection {
 
   // rows (at most MAX_GROUP_ROWS) of x in blocks [b0, b1)
   Selection select(const float* x, int rows, int64_t b0, int64_t b1) const;
-  // rows (at most MAX_GROUP_ROWS) of x into y
-  GroupRead sparse_group(const float* x, int rows, float* y) const;
+  // rows (at most sparse_max_rows) of x into y, in groups of MAX_GROUP_ROWS
+  GroupRead sparse_rows(const float* x, int64_t rows, float* y) const;
   // many rows (prefill): every channel, through the dense kernels
   torch::Tensor dense_prefill(const torch::Tensor& x) const;
 };
