@@ -18,8 +18,10 @@ benchmarks/results/sparse_linear_<isa>.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +46,7 @@ RESULTS = Path(__file__).parent / "results"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--isa", help="instruction set: avx512, avx2+vnni, avx2 or scalar (default: the CPU's best)")
+    parser.add_argument("--isa", help="kernel path: avx512, avx2+vnni, avx2 or scalar (default: what the engine runs)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--types", nargs="+", default=["Q4_0", "Q4_K", "Q8_0"], help="the rows' block types")
@@ -60,11 +62,16 @@ def main() -> None:
     ops = native.load()
     if ops is None:
         raise SystemExit("native operators are unavailable: nothing to benchmark")
-    isa = args.isa or ops.detected_isa()
-    base, _, extension = isa.partition("+")
-    ops.set_isa(base)
-    if ops.avx_vnni_detected():  # "avx2" is plain AVX2, as CPUs without AVX-VNNI run it; "avx2+vnni" with it
-        ops.set_avx_vnni(extension == "vnni")
+    # --isa: "avx2" is plain AVX2, as CPUs without AVX-VNNI run it; "avx512" has QuantLinear's bfloat16 kernel.
+    # Without it, what the engine runs (on Intel's AVX-512 CPUs QuantLinear's integer kernels with AVX-VNNI:
+    # forcing "avx512" there times the dense rows on the slower bfloat16 kernel).
+    with native.kernel_path(args.isa) if args.isa else contextlib.nullcontext():
+        measure(args, clock, args.isa or ops.isa())
+
+
+def measure(args: argparse.Namespace, clock: Callable[[], float], isa: str) -> None:
+    """Times every linear and type of `args`, writes the table."""
+    kernels = native.kernels_label()
     torch.set_num_threads(args.threads)
     machine, bandwidth = machine_description(), memory_bandwidth()
     rng = np.random.default_rng(0)
@@ -110,13 +117,13 @@ def main() -> None:
     out = args.out or RESULTS / f"sparse_linear_{isa}.md"
     out.write_text(
         f"# Input-sparse linears on channel runs vs the dense row layout, Llama-2-7B widths\n\n"
-        f"Measured {datetime.date.today()} on {machine}; {isa} kernels, {args.threads} threads, {args.clock} clock; memory read bandwidth "
+        f"Measured {datetime.date.today()} on {machine}; kernels {kernels}, {args.threads} threads, {args.clock} clock; memory read bandwidth "
         f"measured in the same run: {bandwidth:.1f} GB/s. Dense: QuantLinear on the type's rows; sparse: "
         "SparseInputProjection on the same rows regrouped into channel runs; ratio = dense time / sparse time "
         "(higher: skipping is faster); GB/s: bytes read per second (dense: the matrix; sparse: the runs of the union "
         "of the rows' selected channels and the scales of their blocks). Weights from memory (copies rotate).\n\n"
         + "\n".join(lines) +
-        f"\n\nCommand: `.venv/bin/python benchmarks/sparse_linear.py --isa {isa} --threads {args.threads} "
+        f"\n\nCommand: `.venv/bin/python benchmarks/sparse_linear.py{f' --isa {args.isa}' if args.isa else ''} --threads {args.threads} "
         f"--rows {' '.join(map(str, args.rows))} --types {' '.join(args.types)} --clock {args.clock}`\n")
     print(f"memory read bandwidth: {bandwidth:.1f} GB/s; wrote {out}")
 
