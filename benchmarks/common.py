@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -96,7 +97,6 @@ def machine_description() -> str:
 
 def memory_bandwidth(seconds: float = 1.0) -> float:
     """Read bandwidth (GB/s): summing a 512 MiB float32 array, median of repeats."""
-    import statistics
     import time
 
     import torch
@@ -241,6 +241,24 @@ def decode_rate(llm, prompt: list[int], n_gen: int) -> float:
     for _ in range(n_gen):
         token = int(engine.extend(0, [token])[-1].argmax())
     return n_gen / (time.perf_counter() - started)
+
+
+def paired_ratio(rates: list[float], base: list[float]) -> tuple[float, float, float]:
+    """The median, lower and upper quartile of rates[i] / base[i]: each repetition against the base run
+    measured beside it. On a shared host the memory's slow and fast spells last seconds (one 7B-width
+    file's 32-token runs: 19.5-28.6 tok/s within a minute), so a ratio of two medians moved with them
+    (1.52x and 1.80x in two runs of one benchmark); a pair's runs meet the same spell."""
+    ratios = [r / b for r, b in zip(rates, base, strict=True)]
+    if len(ratios) == 1:
+        return ratios[0], ratios[0], ratios[0]
+    low, median, high = statistics.quantiles(ratios, n=4, method="inclusive")
+    return median, low, high
+
+
+def interleaved(items: list, rep: int) -> list:
+    """The order of one repetition: forwards, then backwards on the next (ABBA), so that no item always
+    runs right after the same one."""
+    return items if rep % 2 == 0 else items[::-1]
 
 
 def prefill_rate(llm, tokens: list[int]) -> float:

@@ -12,8 +12,9 @@ to find) and written as its own file.
 
 Speed: `Engine` single-token decode steps after a short prompt, and a 512-token prompt's prefill
 (every channel of each row's selection through the dense kernels: sparse_input.cpp), the dense and
-sparse files loaded once, runs interleaved, medians. Bytes per token: what each file's linears read (the column
-layouts' share of channels measured over the decoded tokens). The files are cached in
+sparse files loaded once, runs interleaved, each sparse run against the dense run beside it. Bytes per
+token: what each file's linears read (the column layouts' share of channels measured over the decoded
+tokens). The files are cached in
 ~/.cache/powerinfer/bench. Results: benchmarks/results/sparse_7b.md.
 """
 
@@ -41,8 +42,10 @@ from common import (
     LLAMA_CPP_BUILDS,
     bytes_per_token,
     decode_rate,
+    interleaved,
     machine_description,
     memory_read_rate,
+    paired_ratio,
     prefill_rate,
     wikitext,
 )
@@ -103,7 +106,7 @@ def main() -> None:
     parser.add_argument("--sparsity", type=float, nargs="+", default=[0.4, 0.5])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--n-gen", type=int, default=32)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill timing (0: none)")
     parser.add_argument("--out", type=Path, default=RESULTS / "sparse_7b.md")
     args = parser.parse_args()
@@ -129,32 +132,33 @@ def main() -> None:
         rates: dict[str, list[float]] = {label: [] for label in llms}
         prefill: dict[str, list[float]] = {label: [] for label in llms}
         for rep in range(args.reps + 1):  # the first round warms up
-            for label, llm in llms.items():
-                rate = decode_rate(llm, prompt, args.n_gen)
+            order = interleaved(list(llms), rep)
+            for label in order:  # the decode runs of a repetition back to back, then its prefills
+                rate = decode_rate(llms[label], prompt, args.n_gen)
                 if rep:
                     rates[label].append(rate)
-                if rep and long_prompt:
-                    prefill[label].append(prefill_rate(llm, long_prompt))
-        dense_rate = statistics.median(rates["dense"])
-        dense_prefill = statistics.median(prefill["dense"]) if long_prompt else 0.0
+            for label in order if rep and long_prompt else ():
+                prefill[label].append(prefill_rate(llms[label], long_prompt))
         for label, llm in llms.items():
-            rate = statistics.median(rates[label])
-            prefill_cells = (f"{statistics.median(prefill[label]):.1f} | {statistics.median(prefill[label]) / dense_prefill:.2f}x"
-                             if long_prompt else "- | -")
-            lines.append(f"| {kind} | {label} | {rate:.2f} | {rate / dense_rate:.2f}x | "
-                         f"{bytes_per_token(llm, prompt, args.n_gen) / 1e6:.0f} | {prefill_cells} |")
+            ratio, low, high = paired_ratio(rates[label], rates["dense"])
+            prefill_cells = (f"{statistics.median(prefill[label]):.1f} | "
+                             f"{paired_ratio(prefill[label], prefill['dense'])[0]:.2f}x" if long_prompt else "- | -")
+            lines.append(f"| {kind} | {label} | {statistics.median(rates[label]):.2f} | {ratio:.2f}x | "
+                         f"{low:.2f}-{high:.2f} | {bytes_per_token(llm, prompt, args.n_gen) / 1e6:.0f} | {prefill_cells} |")
             print(lines[-1], flush=True)
     header = (f"# Input sparsity at 7B width: decode tok/s, sparsified vs dense\n\n"
               f"Measured {datetime.date.today()} on {machine_description()}; {args.threads} threads; kernels "
-              f"{native.kernels_label() if native.load() else 'plain torch'}; {args.n_gen} tokens per run, median of "
-              f"{args.reps} interleaved runs. Memory read {memory_before} before the runs, {memory_read_rate()} "
-              f"after.\n\n"
-              f"Prefill: a {args.prefill}-token prompt (wikitext-2 valid) from an empty cache, median of the "
-              f"same runs.\n\n"
-              "| types | sparsity | decode tok/s | vs dense | MB read per token | prefill tok/s | vs dense |\n"
-              "| --- | --- | --- | --- | --- | --- | --- |\n")
+              f"{native.kernels_label() if native.load() else 'plain torch'}; {args.n_gen} tokens per run, "
+              f"{args.reps} interleaved repetitions (ABBA order): tok/s their median; vs dense the median of each "
+              f"repetition's ratio to the dense run beside it, and those ratios' quartiles. Memory read "
+              f"{memory_before} before the runs, {memory_read_rate()} after.\n\n"
+              f"Prefill: a {args.prefill}-token prompt (wikitext-2 valid) from an empty cache, in the same "
+              f"repetitions, medians as decode's.\n\n"
+              "| types | sparsity | decode tok/s | vs dense | quartiles | MB read per token | prefill tok/s | vs dense |\n"
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n")
     args.out.write_text(header + "\n".join(lines) + f"\n\nCommand: `.venv/bin/python benchmarks/sparse_7b.py "
-                        f"--types {' '.join(args.types)} --sparsity {' '.join(map(str, args.sparsity))} --prefill {args.prefill}`\n")
+                        f"--types {' '.join(args.types)} --sparsity {' '.join(map(str, args.sparsity))} --n-gen {args.n_gen} "
+                        f"--reps {args.reps} --prefill {args.prefill}`\n")
     print(f"wrote {args.out}")
 
 

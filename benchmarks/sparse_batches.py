@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from common import benchmark_model, machine_description, memory_read_rate, wikitext
+from common import benchmark_model, interleaved, machine_description, memory_read_rate, paired_ratio, wikitext
 
 PROMPT_TOKENS = 64
 
@@ -71,7 +71,7 @@ def main() -> None:
             batch_rate(engines[name], batch[:1], 4)
         for rep in range(args.reps):
             for r in args.rows:
-                for name in files:
+                for name in interleaved(list(files), rep):
                     rates[name, r].append(batch_rate(engines[name], batch[:r], args.n_gen))
             print(f"repetition {rep + 1}/{args.reps} done", flush=True)
     lines = [
@@ -83,14 +83,16 @@ def main() -> None:
         "",
         f"Dense: `{dense_path.name}`; sparse: `{args.sparse_model.name}` ({llms['sparse'].sparsity}). "
         f"{args.n_gen} greedy steps of R sequences at once after {PROMPT_TOKENS}-token prompts; tok/s counts "
-        f"every sequence; medians of {args.reps} interleaved repetitions.",
+        f"every sequence; medians of {args.reps} interleaved repetitions (ABBA order); sparse / dense: the median "
+        "of each repetition's ratio to the dense run beside it, and those ratios' quartiles.",
         "",
-        "| sequences per step | dense tok/s | sparse tok/s | sparse / dense |",
-        "| ---: | ---: | ---: | ---: |",
+        "| sequences per step | dense tok/s | sparse tok/s | sparse / dense | quartiles |",
+        "| ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in args.rows:
         dense, sparse = statistics.median(rates["dense", r]), statistics.median(rates["sparse", r])
-        lines.append(f"| {r} | {dense:.1f} | {sparse:.1f} | {sparse / dense:.2f}x |")
+        ratio, low, high = paired_ratio(rates["sparse", r], rates["dense", r])
+        lines.append(f"| {r} | {dense:.1f} | {sparse:.1f} | {ratio:.2f}x | {low:.2f}-{high:.2f} |")
     lines += ["", f"Command: `.venv/bin/python benchmarks/sparse_batches.py --sparse-model FILE"
                   f"{f' --model {args.model}' if args.model else ''} --rows {' '.join(map(str, args.rows))} "
                   f"--threads {args.threads} --n-gen {args.n_gen} --reps {args.reps}`"]
