@@ -152,9 +152,9 @@ def main() -> None:
               f"{args.reps} interleaved repetitions (ABBA order): tok/s their median; vs dense the median of each "
               f"repetition's ratio to the dense run beside it, and those ratios' quartiles. Memory read "
               f"{memory_before} before the runs, {memory_read_rate()} after.\n\n"
-              f"Prefill: a {args.prefill}-token prompt (wikitext-2 valid) from an empty cache, in the same "
-              f"repetitions, medians as decode's.\n\n"
-              "| types | sparsity | decode tok/s | vs dense | quartiles | MB read per token | prefill tok/s | vs dense |\n"
+              + (f"Prefill: a {args.prefill}-token prompt (wikitext-2 valid) from an empty cache, in the same "
+                 f"repetitions, medians as decode's.\n\n" if args.prefill else "")
+              + "| types | sparsity | decode tok/s | vs dense | quartiles | MB read per token | prefill tok/s | vs dense |\n"
               "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n")
     args.out.write_text(header + "\n".join(lines) + f"\n\nCommand: `.venv/bin/python benchmarks/sparse_7b.py "
                         f"--types {' '.join(args.types)} --sparsity {' '.join(map(str, args.sparsity))} --n-gen {args.n_gen} "
