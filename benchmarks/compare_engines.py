@@ -38,10 +38,12 @@ from common import (
     bytes_per_token,
     cpu_isa,
     ensure_llama_cpp,
+    interleaved,
     isa_environment,
     llama_cpp_isa,
     machine_description,
     memory_read_rate,
+    paired_ratio,
     peak_rss,
     wikitext,
 )
@@ -247,7 +249,7 @@ def main() -> None:
             engine.run(request)
             engine.times[request["test"]].clear()
     for rep in range(args.reps):
-        for engine in engines:
+        for engine in interleaved(engines, rep):
             for request in requests:
                 engine.run(request)
         print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr)
@@ -256,18 +258,24 @@ def main() -> None:
         engine.run({"test": "bytes", "tokens": ids[args.n_prompt :]})
         engine.close()
 
-    def rate(engine: Engine, test: str) -> float:
+    def rates(engine: Engine, test: str) -> list[float]:  # one per repetition, in order
         n = args.n_prompt if test == "pp" else args.n_gen
-        return statistics.median(n / s for s in engine.times[test])
+        return [n / s for s in engine.times[test]]
+
+    def versus(engine: Engine, base: Engine | None, test: str) -> str:
+        return f"{paired_ratio(rates(engine, test), rates(base, test))[0]:.2f}x" if base else ""
 
     reference = next((e for e in engines if e.name == "llama.cpp"), None)
-    rows = [f"| engine | ISA | decode tg{args.n_gen} (tok/s) | prefill pp{args.n_prompt} (tok/s) | decode vs llama.cpp | prefill vs llama.cpp | MB read per token | peak RSS (MiB) |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    dense = next((e for e in engines if e.name == "powerinfer"), None) if args.sparse_model else None
+    rows = [f"| engine | ISA | decode tg{args.n_gen} (tok/s) | prefill pp{args.n_prompt} (tok/s) | decode vs llama.cpp | "
+            f"prefill vs llama.cpp |{' decode vs powerinfer |' if dense else ''} MB read per token | peak RSS (MiB) |",
+            f"| --- | --- | ---: | ---: | ---: | ---: |{' ---: |' if dense else ''} ---: | ---: |"]
     for engine in engines:
-        tg, pp = rate(engine, "tg"), rate(engine, "pp")
-        vs = (f"{tg / rate(reference, 'tg'):.2f}x", f"{pp / rate(reference, 'pp'):.2f}x") if reference else ("", "")
+        tg, pp = statistics.median(rates(engine, "tg")), statistics.median(rates(engine, "pp"))
         read = "" if engine.bytes_per_token is None else f"{engine.bytes_per_token / 1e6:.1f}"
-        rows.append(f"| {engine.name} | {engine.isa} | {tg:.1f} | {pp:.1f} | {vs[0]} | {vs[1]} | {read} | {engine.peak_rss / 2**20:.0f} |")
+        vs_dense = f" {versus(engine, dense, 'tg')} |" if dense else ""
+        rows.append(f"| {engine.name} | {engine.isa} | {tg:.1f} | {pp:.1f} | {versus(engine, reference, 'tg')} | "
+                    f"{versus(engine, reference, 'pp')} |{vs_dense} {read} | {engine.peak_rss / 2**20:.0f} |")
     table = "\n".join(rows)
     print(table)
 
@@ -277,7 +285,8 @@ def main() -> None:
         f"Measured {datetime.date.today().isoformat()} on {machine_description()}; memory read {memory_before} before",
         f"the timings, {memory_after} after.",
         f"Model: `{Path(args.model).name}`; {args.threads} threads; medians of {args.reps} interleaved repetitions",
-        "(after one warm-up each). Decode: tg = single-token steps from an empty cache over wikitext-2 test tokens;",
+        "(ABBA order, after one warm-up each); a ratio (vs) is the median of each repetition's ratio to the run",
+        "beside it. Decode: tg = single-token steps from an empty cache over wikitext-2 test tokens;",
         "prefill: one batch of wikitext-2 test tokens from an empty cache. powerinfer-sparse: the file",
         f"`{Path(args.sparse_model).name if args.sparse_model else '-'}` (predictors, or a `sparsify` output) with `sparsity=\"auto\"`. llama.cpp runs through llama-cpp-python's C API",
         f"({LLAMA_CPP_PYTHON}, built from source here for {isa} alone: `{LLAMA_CPP_CMAKE_ARGS[isa]}`); transformers loads",
