@@ -60,7 +60,7 @@ from pathlib import Path
 import powerinfer_upstream as upstream
 import torch
 
-from common import ROOT, isa_environment, machine_description, paired_ratio
+from common import ROOT, interleaved, isa_environment, machine_description, paired_ratio
 
 RESULTS = ROOT / "benchmarks" / "results" / "powerinfer_original.md"
 DEFAULT_MODEL = Path.home() / ".cache" / "powerinfer" / "bench" / "relu-7bw-8l.q4_0.powerinfer.gguf"
@@ -299,7 +299,7 @@ def main() -> None:
     prompt_ids: list[int] = []  # as PowerInfer's main tokenizes the prompt: ours then runs the same ids
     for rep in range(args.reps + 1):
         # alternate who goes first, so that a change in the machine's load hits both alike
-        for engine in ("ours", "powerinfer") if rep % 2 else ("powerinfer", "ours"):
+        for engine in interleaved(["powerinfer", "ours"], rep):
             if engine == "powerinfer":
                 seconds, steps, prompt_ids, rss, original.isa = powerinfer_run(main_binary, args.model, args.prompt,
                                                                                  args.n_gen, args.threads, args.n_ctx, dense)

@@ -137,8 +137,9 @@ def main() -> None:
                 rate = decode_rate(llms[label], prompt, args.n_gen)
                 if rep:
                     rates[label].append(rate)
-            for label in order if rep and long_prompt else ():
-                prefill[label].append(prefill_rate(llms[label], long_prompt))
+            if rep and long_prompt:
+                for label in order:
+                    prefill[label].append(prefill_rate(llms[label], long_prompt))
         for label, llm in llms.items():
             ratio, low, high = paired_ratio(rates[label], rates["dense"])
             prefill_cells = (f"{statistics.median(prefill[label]):.1f} | "
