@@ -393,6 +393,21 @@ def test_q6_k_keeps_its_bits_and_sums_its_extremes_exactly(rows, each_isa):
     check(column_linear([m], thresholds), [m], thresholds, x, x_rounding=x_rounding(rows), exact_scales=True)
 
 
+@pytest.mark.parametrize("rows", [2, 4, 8])
+def test_q6_k_rows_whose_sums_split_get_their_one_row_results(rows, each_isa):
+    """A row whose k sum past int16's bound in its sub-blocks (every |x| near its block's largest)
+    splits its group's Q6 sums in two rounds, where the rows beside it, alone, would take one. Each
+    row's bits must still be its one-row result (batched decoding equals decoding alone)."""
+    m = matrix(T.Q6_K, 200, 512, seed=6)
+    x = inputs(rows, 512, seed=7)
+    x[0] = torch.sign(x[0]) * (1.0 + 0.01 * torch.rand(512, generator=torch.Generator().manual_seed(8)))
+    x[0, x[0] == 0] = 1.0
+    layer = column_linear([m], torch.zeros(512))
+    together = check(layer, [m], torch.zeros(512), x)
+    for row in range(rows):
+        assert torch.equal(layer(x[row:row + 1]), together[row:row + 1])
+
+
 def test_bad_shapes_are_refused():
     m = matrix(T.Q4_0, 64, 64, seed=23)
     with pytest.raises(ValueError, match="one threshold per input channel"):

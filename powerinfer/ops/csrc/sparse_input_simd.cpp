@@ -465,7 +465,10 @@ struct Q6Set {
 // whose k every row sums exactly in int16 (32 times the sum of |k| at most 32767, as |q - 32| <= 32),
 // the second round's the rest, at most eight channels (eight |k| of at most 127 fit). At the
 // sparsities that pay, the kept x are each block's larger ones, yet a sub-block's sixteen rarely
-// reach the bound: one round, one step into the super-block's sums per block.
+// reach the bound: one round, one step into the super-block's sums per block. Where the rows'
+// largest sum decides a split, the rounds' products with the scale bytes add up in int32 before any
+// float: a row's result then does not depend on where the split falls, so not on its group's
+// other rows (Q6Round).
 struct Q6Plan {
   std::array<Q6Set, 4> sets;
   int count = 0, first_round = 0;  // sets in all, in the first round
@@ -494,13 +497,18 @@ inline Q6Plan q6_plan(const RunLayout& l, const Selection& s, int32_t j0, int32_
   return plan;
 }
 
+// What a round of a Q6 block does with its int32 products: ALONE (the block's only round) and LAST add
+// them (LAST: with those HELD by the round before) into the super-block's float sums; HELD keeps them,
+// as int32, in `held`.
+enum class Q6Round { ALONE, HELD, LAST };
+
 // A round of a Q6 block's sums (per row, sub-block `sub`'s at acc + (sub R + r) chunk where has[sub])
 // times their sub-blocks' scale bytes, in integers, both sub-blocks' into one int32 vector, into R
-// rows' super-block sums (`sums`: the chunk's; in place of them where `first`); the scale bytes become
-// int16 lanes once for all rows.
+// rows' super-block sums (`sums`: the chunk's; in place of them where `first`), or held (Q6Round;
+// `held`: per row the chunk's int32 products); the scale bytes become int16 lanes once for all rows.
 template <int R>
 inline void add_q6_round(const RunLayout& l, const BlockPiece& p, int64_t c0, int64_t chunk, const int16_t* acc,
-                         const bool has[2], bool first, float* sums) {
+                         const bool has[2], Q6Round kind, bool first, float* sums, int32_t* held) {
   __m256 row_scale[R];
   for (int r = 0; r < R; ++r) row_scale[r] = _mm256_set1_ps(p.scale[r]);
   for (int64_t at = 0; at < p.n; at += 16) {
@@ -518,6 +526,13 @@ inline void add_q6_round(const RunLayout& l, const BlockPiece& p, int64_t c0, in
         even = _mm256_add_epi32(even, _mm256_madd_epi16(s, even_sc[sub]));
         odd = _mm256_add_epi32(odd, _mm256_madd_epi16(s, odd_sc[sub]));
       }
+      __m256i* kept = reinterpret_cast<__m256i*>(held + r * chunk + at);
+      if (kind == Q6Round::HELD) {
+        _mm256_store_si256(kept, even), _mm256_store_si256(kept + 1, odd);
+        continue;
+      }
+      if (kind == Q6Round::LAST)
+        even = _mm256_add_epi32(even, _mm256_load_si256(kept)), odd = _mm256_add_epi32(odd, _mm256_load_si256(kept + 1));
       add_scaled_floats(sums + r * l.padded + at, even, row_scale[r], first);
       add_scaled_floats(sums + r * l.padded + at + 8, odd, row_scale[r], first);
     }
@@ -546,7 +561,9 @@ void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
   const RunLayout l = with_form<RunForm::Q6>(layout);
   const BlockPiece piece = piece_of<R>(l, runs, s, i, c0, chunk);
   const Q6Plan plan = q6_plan(l, s, piece.j0, piece.j1);
-  bool has[2] = {false, false};  // the sub-blocks with sums in this round
+  const bool split = plan.count > plan.first_round;  // two rounds
+  alignas(64) int32_t held[Q4_SUMS / 2];             // per row its first round's products (Q6Round::HELD)
+  bool has[2] = {false, false};                      // the sub-blocks with sums in this round
   for (int e = 0; e < plan.count; ++e) {
     const auto [a, b, sub] = plan.sets[e];
     const GroupRuns<Q4_GROUP> then =
@@ -554,7 +571,8 @@ void add_q6_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
     SET_SUMS(l, piece, s, a, b, c0, chunk, then, super, acc + sub * R * chunk);
     has[sub] = true;
     if (e + 1 == plan.first_round || e + 1 == plan.count) {
-      ROUND(l, piece, c0, chunk, acc, has, super.first && e < plan.first_round, super.sums + c0);
+      const Q6Round kind = !split ? Q6Round::ALONE : e + 1 == plan.count ? Q6Round::LAST : Q6Round::HELD;
+      ROUND(l, piece, c0, chunk, acc, has, kind, super.first, super.sums + c0, held);
       has[0] = has[1] = false;
     }
   }
@@ -1127,7 +1145,8 @@ void add_q4_piece(const RunLayout& layout, const uint8_t* runs, const Selection&
 // As avx2::add_q6_round, 128 outputs a step (add_to_super_block's order).
 template <int R>
 inline void add_q6_round(const RunLayout& l, const avx2::BlockPiece& p, int64_t c0, int64_t chunk, const int16_t* acc,
-                         const bool has[2], bool first, float* sums) {
+                         const bool has[2], avx2::Q6Round kind, bool first, float* sums, int32_t* held) {
+  using avx2::Q6Round;
   const __m512i even_lanes = _mm512_set1_epi32(0xFFFF), odd_lanes = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   __m512 row_scale[R];
   for (int r = 0; r < R; ++r) row_scale[r] = _mm512_set1_ps(p.scale[r]);
@@ -1148,6 +1167,13 @@ inline void add_q6_round(const RunLayout& l, const avx2::BlockPiece& p, int64_t 
           even = _mm512_add_epi32(even, _mm512_madd_epi16(s, even_sc[sub]));
           odd = _mm512_add_epi32(odd, _mm512_madd_epi16(s, odd_sc[sub]));
         }
+        int32_t* kept = held + r * chunk + at;
+        if (kind == Q6Round::HELD) {
+          _mm512_store_si512(kept, even), _mm512_store_si512(kept + 16, odd);
+          continue;
+        }
+        if (kind == Q6Round::LAST)
+          even = _mm512_add_epi32(even, _mm512_load_si512(kept)), odd = _mm512_add_epi32(odd, _mm512_load_si512(kept + 16));
         add_scaled_floats(sums + r * l.padded + at, even, row_scale[r], first);
         add_scaled_floats(sums + r * l.padded + at + 16, odd, row_scale[r], first);
       }
