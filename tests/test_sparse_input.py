@@ -170,7 +170,7 @@ def test_fused_parts_of_mixed_types_equal_the_masked_product(each_isa):
     check(column_linear(matrices, thresholds), matrices, thresholds, x)
 
 
-@pytest.mark.parametrize("rows", [7, SPARSE_MAX_ROWS])  # groups of 4 rows read each run once, and the rest
+@pytest.mark.parametrize("rows", [7, 11, SPARSE_MAX_ROWS])  # groups of 4 (AVX-512: 8) rows read each run once
 @pytest.mark.parametrize("form", ["4-bit", "Q8_0", "Q6_K"])
 # 768: three super-blocks, which groups take turns on (two threads split them mid-super-block)
 @pytest.mark.parametrize("in_features", [256, 768])
@@ -192,7 +192,7 @@ def test_each_row_gets_its_one_row_result_exactly(rows, form, in_features, each_
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q8_0, T.Q6_K])
-@pytest.mark.parametrize("rows", [2, 3, 4])
+@pytest.mark.parametrize("rows", [2, 3, 4, 6, 8])  # the AVX-512 kernels take up to 8 rows at once
 def test_rows_read_together_equal_the_masked_product(ggml_type, rows, each_isa):
     """Outputs past one chunk of the 4-bit kernel (8192) and off its steps."""
     in_features = 256 if ggml_type in (T.Q4_K, T.Q6_K) else 96

@@ -234,15 +234,16 @@ namespace {
 struct RunKernels {
   RunKernel add;
   RunRepacker repack;
+  int group_rows;  // the most rows `add` takes in one selection
 };
 
 RunKernels run_kernels() {
   switch (active_isa()) {
 #ifdef POWERINFER_X86
-    case Isa::AVX512: return {avx512::add_runs, avx2::repack_runs};
-    case Isa::AVX2: return {avx2::add_runs, avx2::repack_runs};
+    case Isa::AVX512: return {avx512::add_runs, avx2::repack_runs, avx512::GROUP_ROWS};
+    case Isa::AVX2: return {avx2::add_runs, avx2::repack_runs, avx2::GROUP_ROWS};
 #endif
-    default: return {scalar::add_runs, scalar::repack_runs};
+    default: return {scalar::add_runs, scalar::repack_runs, scalar::GROUP_ROWS};
   }
 }
 
@@ -476,11 +477,13 @@ SparseInputProjection::GroupRead SparseInputProjection::sparse_rows(const float*
   // run, decoded the 7B-width Q4_0 file at 50 % 1.45x dense against 1.67x: AMD EPYC, AVX-512, 2 threads.)
   // Each selects in its own blocks: none waits while one selects for all.
   const int64_t tasks = std::clamp<int64_t>(blocks() / MIN_TASK_BLOCKS, 1, at::get_num_threads());
-  const int64_t groups = (rows + MAX_GROUP_ROWS - 1) / MAX_GROUP_ROWS;
-  const auto group_rows = [&](int64_t g) { return static_cast<int>(std::min<int64_t>(MAX_GROUP_ROWS, rows - g * MAX_GROUP_ROWS)); };
+  const RunKernels kernels = run_kernels();
+  const int per_group = kernels.group_rows;
+  const int64_t groups = (rows + per_group - 1) / per_group;
+  const auto group_rows = [&](int64_t g) { return static_cast<int>(std::min<int64_t>(per_group, rows - g * per_group)); };
   const int64_t stride = rows * padded();  // a task's sums: per group, per part, its rows' padded outputs
   // where group g's sums of a part start within a task's
-  const auto part_sums = [&](int64_t g, const RunPart& part) { return g * MAX_GROUP_ROWS * padded() + group_rows(g) * part.first_padded; };
+  const auto part_sums = [&](int64_t g, const RunPart& part) { return g * per_group * padded() + group_rows(g) * part.first_padded; };
   // per task its sums, in a buffer kept between calls: a fresh one per call (hundreds of KB) cost
   // page faults and the kernel's zeroing of new pages, about a tenth of a 7B-width decode step
   thread_local std::vector<float> partial;
@@ -488,14 +491,14 @@ SparseInputProjection::GroupRead SparseInputProjection::sparse_rows(const float*
   float* sums = partial.data();
   std::vector<int64_t> above(tasks, 0), bytes(tasks, 0);
   const uint8_t* base = runs.data_ptr<uint8_t>();
-  const RunKernel kernel = run_kernels().add;
+  const RunKernel kernel = kernels.add;
   const RunLayout& first = parts.front().layout;  // all parts share the blocks
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b0 = blocks() * t / tasks, b1 = blocks() * (t + 1) / tasks;
       std::vector<Selection> s;
       for (int64_t g = 0; g < groups; ++g) {
-        s.push_back(select(x + g * MAX_GROUP_ROWS * in_features(), group_rows(g), b0, b1));
+        s.push_back(select(x + g * per_group * in_features(), group_rows(g), b0, b1));
         above[t] += s.back().above, bytes[t] += bytes_read(s.back());
       }
       std::fill(sums + t * stride, sums + (t + 1) * stride, 0.0f);
@@ -523,7 +526,7 @@ SparseInputProjection::GroupRead SparseInputProjection::sparse_rows(const float*
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t n = part.layout.out_features, at = part_sums(g, part);
       for (int r = 0; r < group_rows(g); ++r) {  // the tasks' sums in task order (a loop the compiler vectorizes)
-        float* yr = y + (g * MAX_GROUP_ROWS + r) * out_features() + part.first;
+        float* yr = y + (g * per_group + r) * out_features() + part.first;
         std::copy_n(sums + at + r * part.layout.padded, n, yr);
         for (int64_t t = 1; t < tasks; ++t) {
           const float* st = sums + t * stride + at + r * part.layout.padded;

@@ -919,7 +919,7 @@ void add_form_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s
 }
 
 void add_runs(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
-  static_assert(MAX_GROUP_ROWS == 4, "one kernel per group size");
+  static_assert(GROUP_ROWS == 4, "one kernel per group size");
   switch (s.rows) {
     case 1: return add_form_blocks<1>(l, runs, s, i0, i1, y);
     case 2: return add_form_blocks<2>(l, runs, s, i0, i1, y);
@@ -1288,12 +1288,16 @@ void add_form_blocks(const RunLayout& l, const uint8_t* runs, const Selection& s
 }  // namespace
 
 void add_runs(const RunLayout& l, const uint8_t* runs, const Selection& s, int64_t i0, int64_t i1, float* y) {
-  static_assert(MAX_GROUP_ROWS == 4, "one kernel per group size");
+  static_assert(GROUP_ROWS == 8, "one kernel per group size");
   switch (s.rows) {
     case 1: return add_form_blocks<1>(l, runs, s, i0, i1, y);
     case 2: return add_form_blocks<2>(l, runs, s, i0, i1, y);
     case 3: return add_form_blocks<3>(l, runs, s, i0, i1, y);
-    default: return add_form_blocks<4>(l, runs, s, i0, i1, y);
+    case 4: return add_form_blocks<4>(l, runs, s, i0, i1, y);
+    case 5: return add_form_blocks<5>(l, runs, s, i0, i1, y);
+    case 6: return add_form_blocks<6>(l, runs, s, i0, i1, y);
+    case 7: return add_form_blocks<7>(l, runs, s, i0, i1, y);
+    default: return add_form_blocks<8>(l, runs, s, i0, i1, y);
   }
 }
 
