@@ -41,9 +41,9 @@
 // for Q4_MIN (the forms with byte scales: the sums times sc in int32, and Q4_K's minimum as its mn times
 // the block's k sum, times the row's scale per block, summed in floats over the super-block and times D,
 // and M, once). The scalar path does the same integer arithmetic.
-// Rows go in groups (of up to the kernels' GROUP_ROWS): each run of the union of the group's selections is read
-// once, each row multiplying it by its own k (0 where the row skips the channel); several groups take
-// turns super-block by super-block, each reading what the one before it brought into the cache. Threads take fixed
+// Rows go in groups (of up to the kernels' GROUP_ROWS): each run of the union of the group's selections
+// is read once, each row multiplying it by its own k (0 where the row skips the channel); several groups
+// take turns super-block by super-block, each reading what the one before it brought into the cache. Threads take fixed
 // ranges of blocks, each summing its own outputs, which are then added: a row's result does not
 // depend on the other rows of its call (up to sparse_max_rows rows); it may differ in the last bits
 // with the number of threads.
