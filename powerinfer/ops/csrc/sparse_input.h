@@ -53,6 +53,7 @@
 // Plain-torch reference: powerinfer/sparse/columns.py.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <utility>
@@ -214,7 +215,7 @@ constexpr int GROUP_ROWS = 4;
 namespace avx512 {
 constexpr int GROUP_ROWS = 8;
 }
-constexpr int MAX_GROUP_ROWS = avx512::GROUP_ROWS;
+constexpr int MAX_GROUP_ROWS = std::max({scalar::GROUP_ROWS, avx2::GROUP_ROWS, avx512::GROUP_ROWS});
 
 // A group of rows' selection (1 to MAX_GROUP_ROWS rows): per block where any row has an active
 // channel, the union of the rows' active channels; per channel and row, that row's x rounded to int8
