@@ -227,22 +227,6 @@ def llama_cpp_logits(model: str, threads: int, n_ctx: int):
     return logits_of
 
 
-# ---------------------------------------------------------------- decode speed (our engine)
-
-def decode_rate(llm, prompt: list[int], n_gen: int) -> float:
-    """Greedy single-token decode steps after `prompt` (tok/s), on `llm`'s engine from an empty slot."""
-    import time
-
-    engine = llm.engine
-    engine.release(0)
-    engine.extend(0, prompt)
-    token = prompt[-1]
-    started = time.perf_counter()
-    for _ in range(n_gen):
-        token = int(engine.extend(0, [token])[-1].argmax())
-    return n_gen / (time.perf_counter() - started)
-
-
 def paired_ratio(rates: list[float], base: list[float]) -> tuple[float, float, float]:
     """The median, lower and upper quartile of rates[i] / base[i]: each repetition against the base run
     measured beside it. On a shared host the memory's slow and fast spells last seconds (one 7B-width

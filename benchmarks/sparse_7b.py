@@ -36,12 +36,12 @@ from powerinfer.gguf.writer import TensorData, write_gguf
 from powerinfer.hub import pull_default_model
 from powerinfer.ops import native
 from powerinfer.ops.quant import T, random_blocks
+from powerinfer.sparse.payoff import decode_rate
 from powerinfer.sparse.sparsify import Target, sparsify
 
 from common import (
     LLAMA_CPP_BUILDS,
     bytes_per_token,
-    decode_rate,
     interleaved,
     machine_description,
     memory_read_rate,

@@ -44,6 +44,7 @@ from powerinfer.gguf import open_gguf
 from powerinfer.sparse.allocate import Allocator
 from powerinfer.sparse.calibrate import DEFAULT_TOKENS
 from powerinfer.sparse.columns import ColumnLinear
+from powerinfer.sparse.payoff import decode_rate
 from powerinfer.sparse.sites import model_sites
 from powerinfer.sparse.sparsify import (
     DEFAULT_MAX_PPL_INCREASE,
@@ -62,7 +63,6 @@ from common import (
     benchmark_model,
     bytes_per_token,
     cached_row,
-    decode_rate,
     machine_description,
     run_perplexity,
     wikitext,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from powerinfer.ops.quant import T
+from powerinfer.sparse import payoff
 from powerinfer.sparse.payoff import NEVER, PAYOFF_MARGIN, BreakEven, LinearShape, break_even_of, measured_break_even
 
 QKV = LinearShape(64, ((T.Q4_0, 64), (T.Q4_0, 32), (T.Q4_0, 32)))
@@ -47,3 +48,21 @@ def test_the_measurement_runs_both_layouts_and_names_a_step(shape):
 
 def test_row_bytes_count_every_fused_matrix():
     assert QKV.row_bytes == 128 * 64 // 32 * 18
+
+
+def test_the_decode_speedup_is_the_median_of_turns_taken_both_ways(monkeypatch):
+    """Each round times both models, the first alternating (ABBA), and its ratio counts: the rounds'
+    median, so that one spell of the shared memory cannot decide."""
+    sparse, dense = object(), object()
+    calls = []
+    rates = {sparse: iter([9.0, 20.0, 30.0, 20.0, 20.0]), dense: iter([9.0, 10.0, 10.0, 10.0, 40.0])}
+
+    def rate(llm, prompt, n_gen):
+        calls.append((llm, n_gen))
+        return next(rates[llm])
+
+    monkeypatch.setattr(payoff, "decode_rate", rate)
+    assert payoff.decode_speedup(sparse, dense, [1, 2], rounds=4, n_gen=16, progress=False) == pytest.approx(2.0)
+    # warm-up steps, then sparse first, dense first, sparse first, dense first
+    assert calls == [(sparse, 2), (dense, 2), (sparse, 16), (dense, 16), (dense, 16), (sparse, 16),
+                     (sparse, 16), (dense, 16), (dense, 16), (sparse, 16)]

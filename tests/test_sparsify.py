@@ -27,9 +27,16 @@ from powerinfer.gguf import open_gguf
 from powerinfer.ops import native
 from powerinfer.sparse import sparsify as sparsify_module
 from powerinfer.sparse.allocate import Allocator
-from powerinfer.sparse.payoff import NEVER, BreakEven
+from powerinfer.sparse.payoff import DECODE_MARGIN, NEVER, BreakEven
 from powerinfer.sparse.sites import HEAD, masked, model_sites
-from powerinfer.sparse.sparsify import Target, calibration_of, sparsify, write_sparsified
+from powerinfer.sparse.sparsify import (
+    PROMPT_TOKENS,
+    Target,
+    allocate_where_it_pays,
+    calibration_of,
+    sparsify,
+    write_sparsified,
+)
 from powerinfer.sparse.storage import THRESHOLDS_SUFFIX, sparse_sites
 from powerinfer.tokenizer import Tokenizer
 
@@ -211,6 +218,7 @@ def test_the_quality_budget_goes_to_the_sites_that_pay(tmp_path, default_model, 
     share of the head's channels, and decodes as its masked-dense form."""
     monkeypatch.setattr(sparsify_module, "BreakEven",
                         lambda **_: BreakEven(lambda shape, working_set: 0.1 if shape.rows[0][1] == VOCAB else NEVER))
+    monkeypatch.setattr(sparsify_module, "decode_speedup", lambda *_, **__: 2.0)  # the timing is not the question
     source = save_tiny(tmp_path, "llama", default_model)
     output = tmp_path / "sparse.gguf"
     allocation = sparsify(LLM(source, sparsity="off"), CALIBRATION.read_text(), output, Target(sparsity=0.4),
@@ -228,3 +236,61 @@ def test_the_quality_budget_goes_to_the_sites_that_pay(tmp_path, default_model, 
     with masked(model_sites(dense.model), thresholds):
         expected = decode_logits(dense, ids)
     assert (decode_logits(sparse, ids) - expected).abs().max() < 1e-2 * expected.abs().max()
+
+
+@pytest.mark.parametrize("down_pays_from", ["at its shared share", "only alone"])
+def test_sites_short_of_their_break_even_leave_the_budget_to_the_others(tmp_path, default_model, down_pays_from):
+    """Within a perplexity budget, a site whose share falls short of its break-even would spend
+    quality and still run dense: it leaves, and the budget is spread again over the sites that pay
+    (where none pays, the sites of the highest break-even leave first)."""
+    source = save_tiny(tmp_path, "llama", default_model)
+    calibration = calibration_of(LLM(source, sparsity="off"), CALIBRATION.read_text(), 1024, progress=False)
+    blocks = [s for s in calibration.sites if s.layer is not None]  # masking this random model's head helps it
+    down = [s.name for s in blocks if s.kind == "ffn_down"]
+    down_in = {s.in_features for s in blocks if s.kind == "ffn_down"}
+    assert len(down_in) == 1 and all(s.in_features not in down_in for s in blocks if s.kind != "ffn_down")
+    allocator = Allocator(calibration, progress=False, taking_part=[s.name for s in blocks])
+    target = Target(max_ppl_increase=1.01)  # within 1.02 this random model's sites all reach the search's top
+    shared = target.allocate(allocator, "uniform").sites[down[0]].sparsity
+    alone = target.allocate(allocator.among(down), "uniform")
+    assert 0 < shared < alone.sites[down[0]].sparsity  # the budget the other sites spent
+    pays_from = shared / 2 if down_pays_from == "at its shared share" else (shared + alone.sites[down[0]].sparsity) / 2
+    break_even = BreakEven(lambda shape, working_set: pays_from if shape.in_features in down_in else NEVER)
+    allocation, paying = allocate_where_it_pays(allocator, target, "uniform", break_even)
+    assert [s.name for s in paying] == down
+    assert {n: a.sparsity for n, a in allocation.sites.items()} == {n: a.sparsity for n, a in alone.sites.items()}
+
+
+@pytest.mark.parametrize("speedup", [1.25, 1.0])
+def test_a_file_that_decodes_no_faster_than_its_source_is_written_dense(tmp_path, default_model, monkeypatch, capsys,
+                                                                      speedup):
+    """Sites that pay alone must also pay together: sparsify decodes the file it would write against
+    its source (here a stand-in reports the measurement) and, below DECODE_MARGIN, writes it dense and
+    says so in one line. The candidate file goes with its temporary folder."""
+    monkeypatch.setattr(sparsify_module, "BreakEven",
+                        lambda **_: BreakEven(lambda shape, working_set: 0.1 if shape.rows[0][1] == VOCAB else NEVER))
+    measured = []
+
+    def decode_speedup(sparse, dense, prompt, progress):
+        measured.append((sparse_sites(open_gguf(sparse.path)), dense.sparsity, len(prompt)))
+        return speedup
+
+    monkeypatch.setattr(sparsify_module, "decode_speedup", decode_speedup)
+    source = save_tiny(tmp_path, "llama", default_model)
+    output = tmp_path / "out" / "sparse.gguf"
+    output.parent.mkdir()
+    capsys.readouterr()  # what making the model printed
+    sparsify(LLM(source, sparsity="off"), CALIBRATION.read_text(), output, Target(sparsity=0.4), n_tokens=1024,
+             progress=False)
+    assert measured == [({HEAD}, "off", PROMPT_TOKENS)]  # the candidate: the head skipping, against the dense source
+    assert sorted(p.name for p in output.parent.iterdir()) == ["sparse.gguf"]
+    written = sparse_sites(open_gguf(output))
+    # the file is the source plus the thresholds kept (the candidate's writing left the source whole)
+    assert {t.name for t in GGUFReader(output).tensors} == ({t.name for t in GGUFReader(source).tensors}
+                                                            | {s + THRESHOLDS_SUFFIX for s in written})
+    err = capsys.readouterr().err
+    if speedup >= DECODE_MARGIN:
+        assert written == {HEAD} and "dense" not in err
+    else:
+        assert written == set()
+        assert "decoded at 1.00x" in err and "runs every linear dense" in err and len(err.strip().splitlines()) == 1

@@ -260,7 +260,15 @@ class Allocator:
         self.sites = [s for s in calibration.sites if taking_part is None or s.name in taking_part]
         self._curves: list[BlockCurve] | None = None
         self.measure_chunks = measure_chunks
-        self._perplexities: dict[tuple[Method, float] | None, float] = {}  # by (method, target); None: dense
+        # by the sites' sparsities (methods that agree share one measurement); None: dense
+        self._perplexities: dict[tuple[tuple[str, float], ...] | None, float] = {}
+
+    def among(self, taking_part: Collection[str]) -> Allocator:
+        """An allocator of the same calibration and criterion whose taking part are `taking_part`
+        (perplexities measured so far are kept: they depend on the sparsities alone)."""
+        narrowed = Allocator(self.calibration, self.criterion, self.progress, taking_part, self.measure_chunks)
+        narrowed._perplexities = self._perplexities
+        return narrowed
 
     @property
     def curves(self) -> list[BlockCurve]:
@@ -288,7 +296,7 @@ class Allocator:
 
     def perplexity(self, allocation: Allocation | None) -> float:
         """Perplexity of the first `measure_chunks` calibration chunks masked by `allocation` (None: dense)."""
-        key = None if allocation is None else (allocation.method, allocation.target)
+        key = None if allocation is None else tuple((n, a.sparsity) for n, a in allocation.sites.items())
         if key not in self._perplexities:
             self._perplexities[key] = calibration_perplexity(self.calibration, allocation,
                                                              self.calibration.chunks[:self.measure_chunks])

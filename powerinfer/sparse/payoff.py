@@ -6,6 +6,7 @@ whatever it skips: the share of channels a site must skip before it decodes fast
 depends on the CPU, the threads and the linear's shape. `BreakEven` times both layouts once per distinct shape
 (random blocks: the speed does not depend on the values; copies rotating, so that every call reads
 from memory as decoding does) and finds the least sparsity at which the columns win by a margin.
+`decode_speedup` then measures what counts: the sparsified model's decode against its source's.
 """
 
 from __future__ import annotations
@@ -14,14 +15,19 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from powerinfer.gguf.reader import GGUFTensor
 from powerinfer.ops.linear import Linear, build_linear
 from powerinfer.ops.quant import T, random_blocks, row_bytes
 from powerinfer.sparse.columns import ColumnLinear, RowMatrix
+
+if TYPE_CHECKING:
+    from powerinfer.llm import LLM
 
 # The sparsities tried, in order: a site pays from the first one at which its columns win.
 SPARSITY_STEPS = tuple(round(0.1 * i, 1) for i in range(1, 10))
@@ -34,12 +40,19 @@ FROM_MEMORY_BYTES = 96 << 20  # copies of a linear rotate until they hold this m
 MAX_COPIES = 1024
 MIN_SECONDS = 0.05  # per measurement
 MIN_CALLS = 9
-# The columns must beat the rows by this factor: in a decode step a site costs more than its call timed
-# alone (its selection, one more parallel region, the other thread's wait), and what the memory gives
-# moves with the machine's other tenants (docs/sparsity.md). With 1.05, Gemma 3 270M's default file (its
-# head's runs 1.02-1.05x its rows alone, at a third skipped) decoded at 0.91-0.99x its source.
-PAYOFF_MARGIN = 1.2
+# The columns must beat the rows by this factor for a site to take part and to keep its thresholds (a
+# win within a timing's noise is no win). What a decode step adds beside a site's call (its selection,
+# one more parallel region, the other thread's wait, the memory's other tenants) is measured after, on
+# the whole file: it must decode DECODE_MARGIN times as fast as its source, or it is written dense.
+# (With a margin of 1.05 and no such check, Gemma 3 270M's default file, its head's runs 1.02-1.05x its
+# rows alone at a third skipped, decoded at 0.91-0.99x its source on an AMD EPYC; with 1.2, that head's
+# break-even on an Intel Xeon, 0.30-0.34, was about the share its budget gives it, 0.33, at which the
+# file decodes 1.05-1.15x its source there.)
+PAYOFF_MARGIN = 1.1
 ROUNDS = 3  # timings of rows and columns, taking turns, per sparsity step: the median ratio counts
+DECODE_MARGIN = 1.03
+DECODE_ROUNDS = 8  # the two models taking turns (ABBA); the median ratio counts
+DECODE_TOKENS = 32  # per model and round
 
 
 @dataclass(frozen=True)
@@ -136,3 +149,34 @@ class BreakEven:
     def pays(self, shape: LinearShape, sparsity: float) -> bool:
         """Whether a site of this shape skipping `sparsity` of its channels decodes faster so."""
         return sparsity > 0 and sparsity >= self(shape)
+
+
+def decode_rate(llm: LLM, prompt: list[int], n_gen: int) -> float:
+    """Greedy single-token decode steps after `prompt` (tok/s), on `llm`'s engine from an empty slot."""
+    engine = llm.engine
+    engine.release(0)
+    engine.extend(0, prompt)
+    token = prompt[-1]
+    started = time.perf_counter()
+    for _ in range(n_gen):
+        token = int(engine.extend(0, [token])[-1].argmax())
+    return n_gen / (time.perf_counter() - started)
+
+
+def decode_speedup(sparse: LLM, dense: LLM, prompt: list[int], rounds: int = DECODE_ROUNDS,
+                   n_gen: int = DECODE_TOKENS, progress: bool = True) -> float:
+    """The median over `rounds` of `sparse`'s decode rate over `dense`'s, the two taking turns (ABBA:
+    each round's pair meets the same spell of the shared memory, and neither always runs first)."""
+    for llm in (sparse, dense):
+        decode_rate(llm, prompt, 2)  # warm: the first steps build the native step and fault pages in
+    ratios: list[float] = []
+    with tqdm(total=rounds, desc="measuring the decode speed-up", unit="round", disable=not progress) as bar:
+        for r in range(rounds):
+            if r % 2 == 0:
+                sparse_rate, dense_rate = decode_rate(sparse, prompt, n_gen), decode_rate(dense, prompt, n_gen)
+            else:
+                dense_rate, sparse_rate = decode_rate(dense, prompt, n_gen), decode_rate(sparse, prompt, n_gen)
+            ratios.append(sparse_rate / dense_rate)
+            bar.set_postfix_str(f"{statistics.median(ratios):.2f}x the source")
+            bar.update()
+    return statistics.median(ratios)
