@@ -266,7 +266,7 @@ def test_a_file_that_decodes_no_faster_than_its_source_is_written_dense(tmp_path
                                                                       speedup):
     """Sites that pay alone must also pay together: sparsify decodes the file it would write against
     its source (here a stand-in reports the measurement) and, below DECODE_MARGIN, writes it dense and
-    says so in one line. The candidate file goes with its temporary folder."""
+    says so in one line. The candidate is the output's own temporary file: nothing else is left."""
     monkeypatch.setattr(sparsify_module, "BreakEven",
                         lambda **_: BreakEven(lambda shape, working_set: 0.1 if shape.rows[0][1] == VOCAB else NEVER))
     measured = []

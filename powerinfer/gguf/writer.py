@@ -48,19 +48,28 @@ def write_gguf(path: str | os.PathLike[str], architecture: str, metadata: dict[s
     """Write a GGUF file (magic `PWRI` when `powerinfer`) that appears at `path` only when complete
     (replacing an existing file only when `replace`)."""
     with atomic_file(path, replace) as tmp:
-        writer = GGUFWriter(tmp, architecture)
-        for key, value in metadata.items():
-            _add_value(writer, key, value)
-        for key, (value, vtype, sub_type) in (typed_metadata or {}).items():
-            writer.add_key_value(key, value, vtype, sub_type)
-        for t in tensors:
-            # the writer packs raw_dtype as the type code, and sizes plain (non-uint8) arrays by themselves
-            raw_dtype = t.type_code if t.type_code is not None else t.ggml_type if t.data.dtype == np.uint8 else None
-            writer.add_tensor(t.name, t.data, raw_dtype=raw_dtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file(progress=progress)
-        writer.close()
-        if powerinfer:
-            with open(tmp, "r+b") as f:
-                f.write(PWRI_MAGIC.to_bytes(4, "little"))
+        write_gguf_at(tmp, architecture, metadata, tensors, powerinfer, typed_metadata, progress)
+
+
+def write_gguf_at(path: str | os.PathLike[str], architecture: str, metadata: dict[str, Any],
+                  tensors: Iterable[TensorData], powerinfer: bool = False,
+                  typed_metadata: dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]] | None = None,
+                  progress: bool = False) -> None:
+    """Write a GGUF file straight at `path`, for a caller that makes it appear atomically itself
+    (`outputs.atomic_file`)."""
+    writer = GGUFWriter(path, architecture)
+    for key, value in metadata.items():
+        _add_value(writer, key, value)
+    for key, (value, vtype, sub_type) in (typed_metadata or {}).items():
+        writer.add_key_value(key, value, vtype, sub_type)
+    for t in tensors:
+        # the writer packs raw_dtype as the type code, and sizes plain (non-uint8) arrays by themselves
+        raw_dtype = t.type_code if t.type_code is not None else t.ggml_type if t.data.dtype == np.uint8 else None
+        writer.add_tensor(t.name, t.data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=progress)
+    writer.close()
+    if powerinfer:
+        with open(path, "r+b") as f:
+            f.write(PWRI_MAGIC.to_bytes(4, "little"))

@@ -11,7 +11,6 @@ is: the weights keep their rows and their type (no re-quantization).
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +21,10 @@ from tqdm import tqdm
 from powerinfer.convert.model import ModelSource, encode_source, gguf_source
 from powerinfer.errors import PowerInferError, UnsupportedModelError
 from powerinfer.gguf import open_gguf
-from powerinfer.gguf.writer import TensorData, write_gguf
+from powerinfer.gguf.writer import TensorData, write_gguf_at
 from powerinfer.llm import LLM
 from powerinfer.ops.quant import T
-from powerinfer.outputs import check_output_file, warn
+from powerinfer.outputs import atomic_file, check_output_file, warn
 from powerinfer.sparse.allocate import Allocation, Allocator, Method
 from powerinfer.sparse.calibrate import DEFAULT_CHUNK, DEFAULT_TOKENS, Calibration, calibrate, calibration_chunks
 from powerinfer.sparse.columns import runs_take
@@ -98,40 +97,37 @@ def write_sparsified(llm: LLM, allocator: Allocator, output: str | os.PathLike[s
                      all_sites: bool = False, break_even: BreakEven | None = None) -> Allocation:
     """Write `output`: `llm`'s file sparsified by the allocation `target` and `method` give on the
     calibration of `allocator` (of `llm`'s own model: calibration_of), sites chosen as `sparsify`
-    says (`break_even`: its measurements so far); returns that allocation."""
+    says (`break_even`: its measurements so far), and written dense unless it then decodes
+    DECODE_MARGIN times as fast as `llm` (unless `all_sites`); returns that allocation."""
     check_output_file(output, force)
     _check_model(llm)
     calibration = allocator.calibration
     allocation, paying = allocate_where_it_pays(allocator, target, method,
                                                 None if all_sites else break_even or model_break_even(calibration.sites))
-    why_dense = None if paying else f"no site of {llm.path.name} decodes faster skipping channels on this CPU at these sparsities"
-    if paying and not all_sites:
-        speedup = _decode_speedup(llm, output, allocation, paying, calibration.chunks[0][:PROMPT_TOKENS], progress)
-        if speedup < DECODE_MARGIN:
-            why_dense, paying = f"skipping channels decoded at {speedup:.2f}x {llm.path.name} on this CPU (measured)", []
-    if why_dense:
-        warn(f"{why_dense}: {Path(output).name} runs every linear dense (--all-sites gives every site its thresholds anyway)")
-    _write(llm, output, allocation, paying, progress=progress, replace=force)
+    if not paying:
+        _warn_dense(f"no site of {llm.path.name} decodes faster skipping channels on this CPU at these sparsities", output)
+    with atomic_file(output, force) as tmp:
+        _write(llm, tmp, allocation, paying, progress)
+        if paying and not all_sites:
+            # the file decoded against its source before it appears
+            speedup = decode_speedup(LLM(tmp, n_ctx=llm.n_ctx), llm, calibration.chunks[0][:PROMPT_TOKENS], progress=progress)
+            if speedup < DECODE_MARGIN:
+                _warn_dense(f"skipping channels decoded at {speedup:.2f}x {llm.path.name} on this CPU (measured)", output)
+                os.unlink(tmp)  # a new file: the measured model's mapping keeps the old one's pages
+                _write(llm, tmp, allocation, [], progress)
     return allocation
 
 
-def _write(llm: LLM, output: str | os.PathLike[str], allocation: Allocation, paying: list[Site], progress: bool = False,
-           replace: bool = True) -> None:
-    """`llm`'s file, every tensor and key as it is, plus the thresholds of the sites `paying`."""
+def _warn_dense(why: str, output: str | os.PathLike[str]) -> None:
+    warn(f"{why}: {Path(output).name} runs every linear dense (--all-sites gives every site its thresholds anyway)")
+
+
+def _write(llm: LLM, path: Path, allocation: Allocation, paying: list[Site], progress: bool) -> None:
+    """`llm`'s file, every tensor and key as it is, plus the thresholds of the sites `paying`, at `path`."""
     source = gguf_source(llm.path)
     metadata = {**source.metadata, TARGET_KEY: float(allocation.sparsity)}
-    write_gguf(output, source.architecture, metadata, _sparsified_tensors(source, paying, allocation),
-               typed_metadata=source.typed_metadata, progress=progress, replace=replace)
-
-
-def _decode_speedup(llm: LLM, output: str | os.PathLike[str], allocation: Allocation, paying: list[Site],
-                    prompt: list[int], progress: bool) -> float:
-    """The sparsified file of `paying` decoded against `llm`, its dense source, on this machine (written
-    beside `output`, in a folder of its own that goes with it)."""
-    with tempfile.TemporaryDirectory(prefix=".sparsify-", dir=Path(output).resolve().parent) as folder:
-        candidate = Path(folder) / "candidate.gguf"
-        _write(llm, candidate, allocation, paying)
-        return decode_speedup(LLM(candidate, n_ctx=llm.n_ctx), llm, prompt, progress=progress)
+    write_gguf_at(path, source.architecture, metadata, _sparsified_tensors(source, paying, allocation),
+                  typed_metadata=source.typed_metadata, progress=progress)
 
 
 def _check_model(llm: LLM) -> None:
@@ -169,12 +165,13 @@ def allocate_where_it_pays(allocator: Allocator, target: Target, method: Method,
         paying = [s for s in skipping if break_even.pays(_shape(s), allocation.sites[s.name].sparsity)]
         if len(paying) == len(skipping):
             return allocation, paying
-        if not paying:
+        staying = paying
+        if not paying:  # the sites of the highest break-even leave
             highest = max(break_even(_shape(s)) for s in skipping)
-            paying = [s for s in skipping if break_even(_shape(s)) < highest]
-            if not paying:
+            staying = [s for s in skipping if break_even(_shape(s)) < highest]
+            if not staying:
                 return allocation, []
-        allocator = allocator.among([s.name for s in paying])
+        allocator = allocator.among([s.name for s in staying])
 
 
 def _sparsified_tensors(source: ModelSource, paying: list[Site], allocation: Allocation) -> Iterator[TensorData]:
